@@ -1,0 +1,15 @@
+// Every nanscan op schema, in one place. Backends only register implementations:
+//   csrc/cpu/summarize.cpp   -> CPU     (C++, at::vec + at::parallel_for)
+//   csrc/cuda/summarize.cu   -> CUDA    (C++/CUDA)
+//   nanscan/kernels/triton.py -> CUDA, and CPU under TRITON_INTERPRET=1, for the triton_* ops
+//   nanscan/_ops.py           -> fake (meta) kernels for all of them
+// Each op returns float64 records laid out as in csrc/record.h: shape [8] for one tensor,
+// [len(xs), 8] for a list.
+#include <torch/library.h>
+
+TORCH_LIBRARY(nanscan, m) {
+  m.def("summarize(Tensor x) -> Tensor");
+  m.def("summarize_many(Tensor[] xs) -> Tensor");
+  m.def("triton_summarize(Tensor x) -> Tensor");
+  m.def("triton_summarize_many(Tensor[] xs) -> Tensor");
+}
