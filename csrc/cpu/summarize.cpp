@@ -1,0 +1,339 @@
+// CPU kernels for nanscan::summarize and nanscan::summarize_many.
+//
+// Algorithm (multi-tensor-apply style, also for a single tensor):
+//   1. Every input is cut into chunks of kChunk logical elements; the work list is the
+//      concatenation of all chunks of all tensors.
+//   2. at::parallel_for over the work list; each chunk produces one Partial (record.h) into its own
+//      slot, so no thread ever shares an accumulator.
+//   3. Each tensor's partials are merged sequentially in chunk order.
+// The chunking depends only on the shapes, never on the thread count, so every field -- the FP32
+// sum of squares included -- is bitwise identical for any number of threads. Extra memory is one
+// Partial per chunk, O(numel / kChunk).
+//
+// Contiguous fp64 / fp32 / fp16 / bf16 chunks take a vectorized path (at::vec): finite lanes are
+// selected with a mask (|v| < inf is false for NaN and ±Inf), min / max / sum of squares / zero
+// count are accumulated over them, and the non-finite lanes are only *counted* by their complement.
+// Non-finite values are the rare case, so a chunk whose finite count is short of its length is
+// rescanned with the scalar path to classify NaN / +Inf / -Inf and find the first index. Everything
+// else (strided layouts, float8, integers, bool) uses the scalar path, which walks logical row-major
+// indices so first_nonfinite_index is logical for any strides (transposed, expanded, channels_last).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e4m3fnuz.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Float8_e5m2fnuz.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+#include "../inputs.h"
+#include "../record.h"
+
+namespace nanscan {
+namespace {
+
+// 64K elements: large enough that per-chunk overhead (a Partial, a horizontal reduction) is noise,
+// small enough that float lane counters stay exact (<= 8K per lane) and 2 threads balance well.
+constexpr int64_t kChunk = int64_t{1} << 16;
+
+// Floating types narrower than 64 bits: compared and squared in float32, summed in float32.
+template <typename T>
+constexpr bool kNarrowFloat =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16> ||
+    std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2> ||
+    std::is_same_v<T, c10::Float8_e4m3fnuz> || std::is_same_v<T, c10::Float8_e5m2fnuz>;
+
+// Compute type: float32 for narrow floats, float64 for float64, integers and bool. It is also the
+// sum-of-squares accumulator type.
+template <typename scalar_t>
+using cmp_t = std::conditional_t<kNarrowFloat<scalar_t>, float, double>;
+
+inline bool sums_in_fp32(at::ScalarType t) {
+  return at::isFloatingType(t) && t != at::kDouble;
+}
+
+template <typename scalar_t>
+constexpr bool kVectorized = std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float> ||
+                             std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>;
+
+template <typename acc_t>
+inline void note_nonfinite(Partial<acc_t>& p, acc_t v, int64_t index) {
+  if (std::isnan(v)) {
+    ++p.nan;
+  } else if (v > 0) {
+    ++p.posinf;
+  } else {
+    ++p.neginf;
+  }
+  p.first = std::min(p.first, index);
+}
+
+template <typename acc_t>
+inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index) {
+  if (!std::isfinite(v)) {
+    note_nonfinite(p, v, index);
+    return;
+  }
+  p.zero += (v == 0);
+  p.min = std::min(p.min, static_cast<double>(v));
+  p.max = std::max(p.max, static_cast<double>(v));
+  p.sumsq += v * v;
+}
+
+// Logical row-major walk over a strided tensor, after merging dimensions that are contiguous with
+// each other (a contiguous tensor collapses to one dimension of stride 1).
+struct Geometry {
+  std::vector<int64_t> sizes, strides;  // outermost first
+  bool contiguous = false;
+
+  explicit Geometry(const at::Tensor& t) {
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      if (t.size(d) == 1) continue;
+      if (!sizes.empty() && strides.back() == t.size(d) * t.stride(d)) {
+        sizes.back() *= t.size(d);
+        strides.back() = t.stride(d);
+      } else {
+        sizes.push_back(t.size(d));
+        strides.push_back(t.stride(d));
+      }
+    }
+    contiguous = sizes.empty() || (sizes.size() == 1 && strides[0] == 1);
+  }
+};
+
+template <typename scalar_t>
+void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_t end,
+                  Partial<cmp_t<scalar_t>>& p) {
+  using acc_t = cmp_t<scalar_t>;
+  const int64_t nd = static_cast<int64_t>(g.sizes.size());
+  if (nd == 0) {  // 0-dim or all-ones shape: a single element
+    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[0]), i);
+    return;
+  }
+  std::vector<int64_t> counter(nd);
+  int64_t rest = begin;
+  for (int64_t d = nd - 1; d >= 0; --d) {
+    counter[d] = rest % g.sizes[d];
+    rest /= g.sizes[d];
+  }
+  const int64_t inner_stride = g.strides[nd - 1];
+  int64_t index = begin;
+  while (index < end) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < nd; ++d) offset += counter[d] * g.strides[d];
+    const int64_t run = std::min(g.sizes[nd - 1] - counter[nd - 1], end - index);
+    for (int64_t k = 0; k < run; ++k) {
+      accumulate(p, static_cast<acc_t>(data[offset + k * inner_stride]), index + k);
+    }
+    index += run;
+    counter[nd - 1] += run;
+    for (int64_t d = nd - 1; d > 0 && counter[d] == g.sizes[d]; --d) {
+      counter[d] = 0;
+      ++counter[d - 1];
+    }
+  }
+}
+
+// Vectorized body over finite lanes; lane counters are float/double, exact because a chunk puts at
+// most kChunk / lanes (<= 8192) into each lane.
+template <typename acc_t>
+struct VecState {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec vmin = Vec(std::numeric_limits<acc_t>::infinity());
+  Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
+  Vec sumsq = Vec(acc_t(0));
+  Vec zeros = Vec(acc_t(0));
+  Vec finite = Vec(acc_t(0));
+
+  inline void add(const Vec& v) {
+    const Vec inf(std::numeric_limits<acc_t>::infinity());
+    const Vec one(acc_t(1));
+    const Vec is_finite = v.abs() < inf;  // all-ones lanes; false for NaN and ±Inf
+    finite = finite + (is_finite & one);
+    vmin = at::vec::minimum(vmin, Vec::blendv(inf, v, is_finite));
+    vmax = at::vec::maximum(vmax, Vec::blendv(-inf, v, is_finite));
+    const Vec fv = v & is_finite;  // non-finite lanes become +0 and add nothing
+    sumsq = at::vec::fmadd(fv, fv, sumsq);
+    zeros = zeros + ((v == Vec(acc_t(0))) & one);
+  }
+
+  // Horizontal reduction in fixed lane order; returns how many finite elements were seen.
+  int64_t flush(Partial<acc_t>& p) const {
+    constexpr int n = Vec::size();
+    acc_t lmin[n], lmax[n], lsq[n], lzero[n], lfin[n];
+    vmin.store(lmin);
+    vmax.store(lmax);
+    sumsq.store(lsq);
+    zeros.store(lzero);
+    finite.store(lfin);
+    int64_t finite_count = 0;
+    for (int i = 0; i < n; ++i) {
+      p.min = std::min(p.min, static_cast<double>(lmin[i]));
+      p.max = std::max(p.max, static_cast<double>(lmax[i]));
+      p.sumsq += lsq[i];
+      p.zero += static_cast<int64_t>(lzero[i]);
+      finite_count += static_cast<int64_t>(lfin[i]);
+    }
+    return finite_count;
+  }
+};
+
+template <typename scalar_t>
+void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p) {
+  using acc_t = cmp_t<scalar_t>;
+  if constexpr (kVectorized<scalar_t>) {
+    using In = at::vec::Vectorized<scalar_t>;
+    VecState<acc_t> state;
+    int64_t i = begin;
+    const int64_t vec_end = begin + (end - begin) / In::size() * In::size();
+    for (; i < vec_end; i += In::size()) {
+      const In v = In::loadu(data + i);
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        state.add(v);
+      } else {
+        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+        state.add(lo);
+        state.add(hi);
+      }
+    }
+    if (state.flush(p) != vec_end - begin) {
+      // Rare path: classify the non-finite elements of the vectorized part one by one.
+      for (int64_t j = begin; j < vec_end; ++j) {
+        const acc_t v = static_cast<acc_t>(data[j]);
+        if (!std::isfinite(v)) note_nonfinite(p, v, j);
+      }
+    }
+    for (; i < end; ++i) accumulate(p, static_cast<acc_t>(data[i]), i);
+  } else {
+    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[i]), i);
+  }
+}
+
+template <typename scalar_t>
+void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t end, Partial<double>& out) {
+  Partial<cmp_t<scalar_t>> p;
+  const scalar_t* data = t.const_data_ptr<scalar_t>();
+  if (g.contiguous) {
+    scan_contiguous(data, begin, end, p);
+  } else {
+    scan_strided(data, g, begin, end, p);
+  }
+  // Partials are stored uniformly as Partial<double>; the FP32 sum is carried exactly and rounded
+  // back to FP32 at every merge below, so the accumulation stays FP32 end to end.
+  out.nan = p.nan;
+  out.posinf = p.posinf;
+  out.neginf = p.neginf;
+  out.zero = p.zero;
+  out.min = p.min;
+  out.max = p.max;
+  out.sumsq = p.sumsq;
+  out.first = p.first;
+}
+
+#define NANSCAN_CPU_CASE(enum_type, cpp_type) \
+  case at::enum_type:                          \
+    return scan_chunk<cpp_type>(t, g, begin, end, out);
+
+void scan_any(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t end, Partial<double>& out) {
+  switch (t.scalar_type()) {
+    NANSCAN_CPU_CASE(kDouble, double)
+    NANSCAN_CPU_CASE(kFloat, float)
+    NANSCAN_CPU_CASE(kHalf, c10::Half)
+    NANSCAN_CPU_CASE(kBFloat16, c10::BFloat16)
+    NANSCAN_CPU_CASE(kFloat8_e4m3fn, c10::Float8_e4m3fn)
+    NANSCAN_CPU_CASE(kFloat8_e5m2, c10::Float8_e5m2)
+    NANSCAN_CPU_CASE(kFloat8_e4m3fnuz, c10::Float8_e4m3fnuz)
+    NANSCAN_CPU_CASE(kFloat8_e5m2fnuz, c10::Float8_e5m2fnuz)
+    NANSCAN_CPU_CASE(kBool, bool)
+    NANSCAN_CPU_CASE(kByte, uint8_t)
+    NANSCAN_CPU_CASE(kChar, int8_t)
+    NANSCAN_CPU_CASE(kShort, int16_t)
+    NANSCAN_CPU_CASE(kInt, int32_t)
+    NANSCAN_CPU_CASE(kLong, int64_t)
+    default:
+      TORCH_CHECK_TYPE(false, "nanscan: unexpected dtype ", t.scalar_type(), " (", kSupportedText, ")");
+  }
+}
+#undef NANSCAN_CPU_CASE
+
+struct WorkItem {
+  int64_t tensor, begin, end;
+};
+
+// Writes one record per input into rows of `out` ([n, 8] float64, contiguous).
+void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
+  std::vector<Geometry> geometry;
+  std::vector<WorkItem> work;
+  std::vector<int64_t> first_item(inputs.size() + 1, 0);
+  geometry.reserve(inputs.size());
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    geometry.emplace_back(inputs[k]);
+    first_item[k] = static_cast<int64_t>(work.size());
+    const int64_t n = inputs[k].numel();
+    for (int64_t b = 0; b < n; b += kChunk) work.push_back({static_cast<int64_t>(k), b, std::min(n, b + kChunk)});
+  }
+  first_item[inputs.size()] = static_cast<int64_t>(work.size());
+
+  std::vector<Partial<double>> partials(work.size());
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t w = lo; w < hi; ++w) {
+      const WorkItem& item = work[w];
+      scan_any(inputs[item.tensor], geometry[item.tensor], item.begin, item.end, partials[w]);
+    }
+  });
+
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    Partial<double> total;
+    // FP32 inputs: the per-chunk sums are FP32 values, and they are added in FP32 here too.
+    const bool fp32_sum = sums_in_fp32(inputs[k].scalar_type());
+    float sumsq32 = 0.0f;
+    for (int64_t w = first_item[k]; w < first_item[k + 1]; ++w) {
+      total.merge(partials[w]);
+      sumsq32 += static_cast<float>(partials[w].sumsq);
+    }
+    if (fp32_sum) total.sumsq = sumsq32;
+    total.write(out + k * kRecordSize);
+  }
+}
+
+std::vector<at::Tensor> normalize_all(at::TensorList xs, const char* op) {
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(xs.size());
+  for (const at::Tensor& x : xs) {
+    TORCH_CHECK_VALUE(!x.defined() || x.device().is_cpu(), op, ": this is the CPU kernel, got a tensor on ",
+                      x.device());
+    inputs.push_back(normalize_input(x, op));
+  }
+  return inputs;
+}
+
+at::Tensor summarize_cpu(const at::Tensor& x) {
+  auto inputs = normalize_all({x}, "nanscan.summarize");
+  at::Tensor out = at::empty({kRecordSize}, x.options().dtype(at::kDouble));
+  summarize_into(inputs, out.mutable_data_ptr<double>());
+  return out;
+}
+
+at::Tensor summarize_many_cpu(at::TensorList xs) {
+  auto inputs = normalize_all(xs, "nanscan.summarize_many");
+  at::Tensor out = at::empty({static_cast<int64_t>(xs.size()), kRecordSize},
+                             at::TensorOptions().dtype(at::kDouble).device(at::kCPU));
+  summarize_into(inputs, out.mutable_data_ptr<double>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
+  m.impl("summarize", &summarize_cpu);
+  m.impl("summarize_many", &summarize_many_cpu);
+}
+
+}  // namespace nanscan

@@ -1,0 +1,23 @@
+"""nanscan: find where NaN and Inf first appear in PyTorch training.
+
+Public API::
+
+    nanscan.summarize(x, backend=None) -> TensorSummary          # one fused pass, one host copy
+    nanscan.summarize_many(xs, backend=None) -> list[TensorSummary]
+    nanscan.record(x) / nanscan.records(xs) -> device float64 records (no host sync)
+    nanscan.available_backends() -> e.g. ["cpu", "cuda", "triton", "reference"]
+
+The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C++ CPU and CUDA) and
+``torch.ops.nanscan.triton_summarize`` / ``triton_summarize_many``; all have fake kernels and stay
+inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wide.
+"""
+from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
+from nanscan.record import RECORD_SIZE, Field, TensorSummary
+from nanscan.summary import record, records, summarize, summarize_many
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS", "ExtensionError", "Field", "RECORD_SIZE", "TensorSummary", "available_backends",
+    "build_info", "record", "records", "summarize", "summarize_many",
+]

@@ -1,0 +1,182 @@
+"""The op registry on the Python side: loading the compiled library, fake kernels, the Python
+(Triton) kernel registrations, and the choice of backend.
+
+Schemas live in ``csrc/nanscan.cpp`` only. Backends meet here and in the dispatcher:
+
+==========  =========================================  ==========================================
+backend     op                                         implementation
+==========  =========================================  ==========================================
+cpu         ``nanscan::summarize`` / ``summarize_many``  C++ (csrc/cpu), dispatch key CPU
+cuda        ``nanscan::summarize`` / ``summarize_many``  C++/CUDA (csrc/cuda), dispatch key CUDA
+triton      ``nanscan::triton_summarize`` / ``_many``    nanscan/kernels/triton.py, keys CUDA and
+                                                       CPU (CPU only under ``TRITON_INTERPRET=1``)
+reference   (no op: plain PyTorch)                     nanscan/kernels/reference.py
+==========  =========================================  ==========================================
+
+The library is loaded at ``import nanscan`` (a dlopen and a few registrations). When it is missing
+or stale the import still succeeds, the error is kept, and it is raised -- loudly, with the fix --
+the first time a compiled backend is asked for. Only ``backend="reference"`` (or
+``NANSCAN_BACKEND=reference``) works without it: nanscan never falls back silently.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+from typing import Optional
+
+import torch
+
+from nanscan._build import source_hash
+from nanscan.record import RECORD_SIZE
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(PACKAGE_DIR)
+BACKENDS = ("cpu", "cuda", "triton", "reference")
+OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many")
+REBUILD_HINT = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the nanscan checkout"
+
+
+class ExtensionError(ImportError):
+    """The compiled library (nanscan/_C) is missing, stale or failed to load."""
+
+
+def library_path() -> Optional[str]:
+    found = sorted(glob.glob(os.path.join(PACKAGE_DIR, "_C*.so")) + glob.glob(os.path.join(PACKAGE_DIR, "_C*.pyd")))
+    return found[0] if found else None
+
+
+def build_info() -> Optional[dict]:
+    """What ``setup.py`` recorded about the build (``nanscan/_build_info.json``), or None."""
+    path = os.path.join(PACKAGE_DIR, "_build_info.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _load() -> Optional[ExtensionError]:
+    """Load and check the compiled library; return the error instead of raising it."""
+    path = library_path()
+    if path is None:
+        return ExtensionError(f"nanscan's compiled library was not found in {PACKAGE_DIR}; {REBUILD_HINT}")
+    info = build_info()
+    if info is None:
+        return ExtensionError(f"{path} has no _build_info.json beside it, so it cannot be checked; {REBUILD_HINT}")
+    if info.get("torch") != torch.__version__:
+        return ExtensionError(f"{path} was built against torch {info.get('torch')} but torch "
+                              f"{torch.__version__} is running (the C++ ABI differs); {REBUILD_HINT}")
+    if os.path.isdir(os.path.join(REPO_DIR, "csrc")) and source_hash(REPO_DIR) != info.get("source_hash"):
+        return ExtensionError(f"{path} is stale: the C++/CUDA sources in {REPO_DIR}/csrc changed since it "
+                              f"was built; {REBUILD_HINT}")
+    try:
+        torch.ops.load_library(path)
+    except OSError as e:  # keep the loader's message: it names the missing symbol or library
+        return ExtensionError(f"loading {path} failed: {e}; {REBUILD_HINT}")
+    _register_python_kernels()
+    return None
+
+
+def _fake_summarize(x: torch.Tensor) -> torch.Tensor:
+    from nanscan.kernels.reference import normalize_input
+
+    normalize_input(x)  # same TypeError as the real kernels
+    return x.new_empty(RECORD_SIZE, dtype=torch.float64)
+
+
+def _fake_summarize_many(xs: list) -> torch.Tensor:
+    from nanscan.kernels.reference import normalize_input
+
+    for x in xs:
+        normalize_input(x, "nanscan.summarize_many")
+    device = xs[0].device if xs else torch.device("cpu")
+    return torch.empty(len(xs), RECORD_SIZE, dtype=torch.float64, device=device)
+
+
+def _triton_module(device: torch.device):
+    from nanscan.kernels import triton as triton_kernels
+
+    if device.type == "cpu" and not triton_kernels.INTERPRETING:
+        raise ValueError("the triton backend runs on CUDA tensors, or on CPU tensors only under "
+                         "TRITON_INTERPRET=1 (set before nanscan is imported)")
+    return triton_kernels
+
+
+def _triton_summarize(x: torch.Tensor) -> torch.Tensor:
+    return _triton_module(x.device).summarize(x)
+
+
+def _triton_summarize_many(xs: list) -> torch.Tensor:
+    return _triton_module(xs[0].device if xs else torch.device("cpu")).summarize_many(xs)
+
+
+def _register_python_kernels() -> None:
+    torch.library.register_fake("nanscan::summarize")(_fake_summarize)
+    torch.library.register_fake("nanscan::triton_summarize")(_fake_summarize)
+    torch.library.register_fake("nanscan::summarize_many")(_fake_summarize_many)
+    torch.library.register_fake("nanscan::triton_summarize_many")(_fake_summarize_many)
+    torch.library.register_kernel("nanscan::triton_summarize", ("cuda", "cpu"), _triton_summarize)
+    torch.library.register_kernel("nanscan::triton_summarize_many", ("cuda", "cpu"), _triton_summarize_many)
+
+
+LOAD_ERROR: Optional[ExtensionError] = _load()
+
+
+def require_library() -> None:
+    """Raise the load error, if any (compiled backends call this before touching torch.ops)."""
+    if LOAD_ERROR is not None:
+        raise LOAD_ERROR
+
+
+def has_cuda_kernels() -> bool:
+    """Whether the loaded library registered its CUDA kernels (i.e. CUDA was compiled in)."""
+    return LOAD_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key("nanscan::summarize", "CUDA")
+
+
+def triton_usable() -> bool:
+    if importlib.util.find_spec("triton") is None or LOAD_ERROR is not None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available_backends() -> list:
+    """Backends that can run here, fastest first for their device type."""
+    out = []
+    if LOAD_ERROR is None:
+        out.append("cpu")
+        if has_cuda_kernels() and torch.cuda.is_available():
+            out.append("cuda")
+    if triton_usable():
+        out.append("triton")
+    out.append("reference")
+    return out
+
+
+def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """The backend to use for tensors on ``device``: ``backend``, else ``$NANSCAN_BACKEND``, else the
+    fastest for the device (cpu -> C++ CPU kernels; cuda -> C++/CUDA kernels, or Triton when the
+    library was built without CUDA). Raises ValueError for an unknown or mismatched backend and
+    ExtensionError when a compiled backend is asked for but the library is unusable."""
+    chosen = backend if backend is not None else (os.environ.get("NANSCAN_BACKEND") or None)
+    source = "backend=" if backend is not None else "NANSCAN_BACKEND="
+    if chosen is None:
+        if device.type == "cpu":
+            chosen = "cpu"
+        elif device.type == "cuda":
+            chosen = "cuda" if has_cuda_kernels() or LOAD_ERROR is not None else "triton"
+        else:
+            raise ValueError(f"nanscan has no kernel for device type {device.type!r} (it has cpu and cuda); "
+                             "pass backend='reference' to use the pure-PyTorch implementation")
+    if chosen not in BACKENDS:
+        raise ValueError(f"unknown nanscan backend {source}{chosen!r}; choose one of {', '.join(BACKENDS)}")
+    if chosen == "reference":
+        return chosen
+    require_library()
+    if chosen in ("cpu", "cuda") and device.type != chosen and device.type != "meta":
+        raise ValueError(f"{source}{chosen!r} summarizes {chosen} tensors, got a tensor on {device}")
+    if chosen == "cuda" and not has_cuda_kernels():
+        raise ExtensionError(f"the cuda backend was asked for but nanscan was built without CUDA kernels "
+                             f"(see `python -m nanscan info`); use backend='triton' or {REBUILD_HINT} "
+                             "with NANSCAN_CUDA=1")
+    return chosen
