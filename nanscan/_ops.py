@@ -161,7 +161,7 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     chosen = backend if backend is not None else (os.environ.get("NANSCAN_BACKEND") or None)
     source = "backend=" if backend is not None else "NANSCAN_BACKEND="
     if chosen is None:
-        if device.type == "cpu":
+        if device.type in ("cpu", "meta"):  # meta: the op's fake kernel propagates shapes
             chosen = "cpu"
         elif device.type == "cuda":
             chosen = "cuda" if has_cuda_kernels() or LOAD_ERROR is not None else "triton"

@@ -15,8 +15,9 @@ from nanscan.record import TensorSummary
 
 
 def _check_tensor(x, op: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")
+    from nanscan.kernels.reference import normalize_input
+
+    normalize_input(x, op)  # TypeError naming the layout / dtype, before any dispatch
     return x
 
 

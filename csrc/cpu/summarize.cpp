@@ -87,6 +87,21 @@ inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index) {
   p.sumsq += v * v;
 }
 
+// Scalar loops sum squares in blocks of kBlock elements, then add the block sums: a sequential FP32
+// sum over a 64K chunk loses ~1e-4 relative accuracy, two levels of 256 stay near 1e-6.
+constexpr int64_t kBlock = 256;
+
+template <typename scalar_t, typename Load>
+void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load load) {
+  using acc_t = cmp_t<scalar_t>;
+  for (int64_t b = begin; b < end; b += kBlock) {
+    Partial<acc_t> block;
+    const int64_t e = std::min(end, b + kBlock);
+    for (int64_t i = b; i < e; ++i) accumulate(block, static_cast<acc_t>(load(i)), i);
+    p.merge(block);
+  }
+}
+
 // Logical row-major walk over a strided tensor, after merging dimensions that are contiguous with
 // each other (a contiguous tensor collapses to one dimension of stride 1).
 struct Geometry {
@@ -129,9 +144,8 @@ void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_
     int64_t offset = 0;
     for (int64_t d = 0; d < nd; ++d) offset += counter[d] * g.strides[d];
     const int64_t run = std::min(g.sizes[nd - 1] - counter[nd - 1], end - index);
-    for (int64_t k = 0; k < run; ++k) {
-      accumulate(p, static_cast<acc_t>(data[offset + k * inner_stride]), index + k);
-    }
+    const scalar_t* row = data + offset - index * inner_stride;  // row[i * inner_stride], i logical
+    scan_scalar<scalar_t>(index, index + run, p, [&](int64_t i) { return row[i * inner_stride]; });
     index += run;
     counter[nd - 1] += run;
     for (int64_t d = nd - 1; d > 0 && counter[d] == g.sizes[d]; --d) {
@@ -212,7 +226,7 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     }
     for (; i < end; ++i) accumulate(p, static_cast<acc_t>(data[i]), i);
   } else {
-    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[i]), i);
+    scan_scalar<scalar_t>(begin, end, p, [&](int64_t i) { return data[i]; });
   }
 }
 

@@ -42,7 +42,9 @@ def normalize_input(x: torch.Tensor, op: str = "nanscan.summarize") -> torch.Ten
     """Validate ``x`` and return the real tensor the kernels read (``view_as_real`` for complex).
 
     Raises ``TypeError`` naming the layout / dtype for sparse, nested, quantized and other
-    unsupported inputs, mirroring ``csrc/inputs.h``.
+    unsupported inputs, mirroring ``csrc/inputs.h``. The public API calls it before dispatching to
+    any backend: sparse tensors would otherwise never reach the C++ check (the dispatcher routes
+    them to a Sparse key that has no kernel).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: expected a torch.Tensor, got {type(x).__name__}")

@@ -1,0 +1,516 @@
+"""Triton backend: the implementations behind ``nanscan::triton_summarize`` and
+``nanscan::triton_summarize_many`` (registered for CUDA, and for CPU under ``TRITON_INTERPRET=1``, by
+:mod:`nanscan._ops`).
+
+Each record (float64 ``[8]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
+deterministic stages, with no atomics:
+
+stage 1 (``_stage1_kernel``)
+    One program per *chunk* of a flattened contiguous tensor. A chunk is ``iters`` tiles of ``BLOCK``
+    elements; the program keeps per-lane accumulators across its tiles (full tiles are loaded
+    without a mask, so they vectorize; at most one masked tail tile per chunk) and writes one
+    partial: nan / +inf / -inf / zero counts and the first non-finite index (int64), finite min,
+    finite max and sum of squares (stored as float64; min/max are exact, and the sum of squares of
+    a float32-accumulated chunk is a float32 value, so it is stored exactly too).
+stage 2 (``_stage2_kernel``)
+    One program per tensor combines that tensor's partials in a fixed order (counts in int64, the
+    sum of squares in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
+    record with the raw conventions (min = +inf / max = -inf without a finite element, first = -1
+    without a non-finite one).
+
+Numerics: elements are compared and squared in float32 for fp32 / fp16 / bf16 / float8 (so
+``1e20**2`` is +inf and sumsq may be +inf from overflow), in float64 for fp64, integer and bool
+inputs; the per-lane float32 order differs from torch's pairwise sum by a few ulps * chunk length.
+Integer inputs are converted to float64 in the kernel: ``finite_min`` / ``finite_max`` of int64
+values with ``|x| > 2**53`` are rounded to the nearest float64 (as in every backend: records are
+float64). Complex inputs are summarized as ``torch.view_as_real(x)``. float8 inputs
+(e4m3fn, e5m2, e4m3fnuz, e5m2fnuz) are read as raw bytes and decoded in the kernel (no copy).
+
+Known limitations:
+
+* Non-contiguous inputs are copied with ``.contiguous()`` first (a full copy; the CUDA backend has
+  a strided kernel). ``first_nonfinite_index`` is the logical row-major index either way. Tensors
+  carrying a conjugate / negative bit are resolved (copied) first as well.
+* Under ``TRITON_INTERPRET=1`` (CPU tensors, tests) fp16 / bf16 inputs are upcast to float32 by
+  the launcher (the interpreter has no bf16 arithmetic; the record is identical because both
+  paths compute in float32), and ``summarize_many`` is a Python loop over ``summarize``.
+* On CUDA, ``summarize_many`` is a multi-tensor launch: tensors are grouped by (element kind,
+  16-byte alignment); each group is ONE stage-1 launch over a pointer table (int64 data pointers
+  in a device tensor, one entry per chunk naming its tensor), followed by ONE stage-2 launch for
+  all tensors: ``groups + 1`` launches plus one host-to-device copy of the tables, and no host
+  sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
+  the "device" pointers are CPU addresses).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from nanscan.kernels.reference import SUPPORTED_TEXT, normalize_input
+
+__all__ = ["INTERPRETING", "SUPPORTED_TEXT", "summarize", "summarize_many"]
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+RECORD_SIZE = 8
+_INF = float("inf")
+_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0]
+
+# Element kinds (constexpr KIND of the stage-1 kernel).
+_KIND_FLOAT = 0  # fp64 / fp32 / fp16 / bf16, loaded natively
+_KIND_INT = 1  # bool (read as uint8) and integers: finite by definition, computed in float64
+_KIND_E4M3FN = 2  # float8 formats, read as uint8 and decoded in the kernel
+_KIND_E5M2 = 3
+_KIND_E4M3FNUZ = 4
+_KIND_E5M2FNUZ = 5
+
+# Element type of the data pointers in the pointer table (constexpr CODE of the stage-1 kernel).
+_PTR_CODE = {
+    torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4,
+    torch.int8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8,
+}
+
+# dtype -> (kind, accumulate in float64, dtype the kernel reads the bytes as (None: itself))
+_DTYPE_INFO = {
+    torch.float64: (_KIND_FLOAT, True, None),
+    torch.float32: (_KIND_FLOAT, False, None),
+    torch.float16: (_KIND_FLOAT, False, None),
+    torch.bfloat16: (_KIND_FLOAT, False, None),
+    torch.bool: (_KIND_INT, True, torch.uint8),
+    torch.uint8: (_KIND_INT, True, None),
+    torch.int8: (_KIND_INT, True, None),
+    torch.int16: (_KIND_INT, True, None),
+    torch.int32: (_KIND_INT, True, None),
+    torch.int64: (_KIND_INT, True, None),
+}
+for _name, _kind in (("float8_e4m3fn", _KIND_E4M3FN), ("float8_e5m2", _KIND_E5M2),
+                     ("float8_e4m3fnuz", _KIND_E4M3FNUZ), ("float8_e5m2fnuz", _KIND_E5M2FNUZ)):
+    if hasattr(torch, _name):
+        _DTYPE_INFO[getattr(torch, _name)] = (_kind, False, torch.uint8)
+
+# Launch configuration. Tile sizes give every thread 16-32 bytes per tile (one or two 128-bit
+# loads) with 4 warps; chunks grow to up to _MAX_ITERS tiles so that very large tensors produce a
+# few thousand partials (stage 2 reads them with one program per tensor) while mid-sized tensors
+# still spread over >= _TARGET_PROGRAMS programs. Untuned on hardware: see the benchmarks.
+_BLOCK_BY_ITEMSIZE = {8: 512, 4: 1024, 2: 2048, 1: 2048}
+_NUM_WARPS = 4
+_TARGET_PROGRAMS = 2048
+_MAX_ITERS = 128
+_STAGE2_BLOCK = 1024
+_BIG32 = 2**31 - 1
+_BIG64 = 2**63 - 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _as_ptr(raw, CODE: tl.constexpr):
+    """int64 address -> typed pointer (element type chosen by CODE, see _PTR_CODE)."""
+    if CODE == 0:
+        p = raw.to(tl.pointer_type(tl.float64))
+    elif CODE == 1:
+        p = raw.to(tl.pointer_type(tl.float32))
+    elif CODE == 2:
+        p = raw.to(tl.pointer_type(tl.float16))
+    elif CODE == 3:
+        p = raw.to(tl.pointer_type(tl.bfloat16))
+    elif CODE == 4:
+        p = raw.to(tl.pointer_type(tl.uint8))
+    elif CODE == 5:
+        p = raw.to(tl.pointer_type(tl.int8))
+    elif CODE == 6:
+        p = raw.to(tl.pointer_type(tl.int16))
+    elif CODE == 7:
+        p = raw.to(tl.pointer_type(tl.int32))
+    else:
+        p = raw.to(tl.pointer_type(tl.int64))
+    return p
+
+
+@triton.jit
+def _decode_fp8(raw, KIND: tl.constexpr):
+    """float8 bytes -> float32 values (NaN / +-inf where the format encodes them). Exact: normal
+    values are rebuilt bit by bit as normal float32, subnormals as mantissa * 2**(1 - bias - M)."""
+    u = raw.to(tl.int32)
+    neg = (u & 128) != 0
+    if KIND == 2:  # e4m3fn: bias 7, 3 mantissa bits, no inf, NaN = S.1111.111
+        e = (u >> 3) & 15
+        m = u & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125  # 2**-9
+        isnan = (u & 127) == 127
+        isinf = u < 0  # never
+    elif KIND == 3:  # e5m2: bias 15, 2 mantissa bits, IEEE-style inf / NaN
+        e = (u >> 2) & 31
+        m = u & 3
+        normal = (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.0000152587890625  # 2**-16
+        isnan = (e == 31) & (m != 0)
+        isinf = (e == 31) & (m == 0)
+    elif KIND == 4:  # e4m3fnuz: bias 8, no inf, no -0, NaN = 0x80
+        e = (u >> 3) & 15
+        m = u & 7
+        normal = (((e + 119) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.0009765625  # 2**-10
+        isnan = u == 128
+        isinf = u < 0  # never
+    else:  # e5m2fnuz: bias 16, no inf, no -0, NaN = 0x80
+        e = (u >> 2) & 31
+        m = u & 3
+        normal = (((e + 111) << 23) | (m << 21)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.00000762939453125  # 2**-17
+        isnan = u == 128
+        isinf = u < 0  # never
+    mag = tl.where(e == 0, sub, normal)
+    mag = tl.where(isinf, float("inf"), mag)
+    mag = tl.where(isnan, float("nan"), mag)
+    return tl.where(neg, -mag, mag)
+
+
+@triton.jit
+def _tile(p, loc, rem, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst,
+          KIND: tl.constexpr, ACC64: tl.constexpr, MASKED: tl.constexpr):
+    """Fold one tile (elements p[loc], loc < rem when MASKED) into the per-lane accumulators."""
+    if MASKED:
+        m = loc < rem
+        raw = tl.load(p + loc, mask=m, other=0)
+    else:
+        raw = tl.load(p + loc)
+    if KIND == 0:
+        if ACC64:
+            v = raw.to(tl.float64)
+        else:
+            v = raw.to(tl.float32)
+    elif KIND == 1:
+        v = raw.to(tl.float64)
+    else:
+        v = _decode_fp8(raw, KIND)
+    iszero = v == 0
+    if MASKED:
+        iszero = iszero & m
+    c_zero += iszero.to(tl.int32)
+    if KIND == 1:  # integers are finite: no NaN / inf bookkeeping
+        if MASKED:
+            vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
+            vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
+        else:
+            vmin = tl.minimum(vmin, v)
+            vmax = tl.maximum(vmax, v)
+        vss += v * v  # masked lanes hold 0
+    else:
+        isnan = v != v
+        ispinf = v == float("inf")
+        isninf = v == float("-inf")
+        nonfinite = isnan | ispinf | isninf
+        if MASKED:
+            skip = nonfinite | (loc >= rem)
+        else:
+            skip = nonfinite
+        vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
+        vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
+        vss += tl.where(nonfinite, 0.0, v * v)  # masked lanes hold 0
+        c_nan += isnan.to(tl.int32)
+        c_pinf += ispinf.to(tl.int32)
+        c_ninf += isninf.to(tl.int32)
+        vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
+    return c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst
+
+
+@triton.jit(do_not_specialize=["numel", "iters", "chunk_offset", "total"])
+def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_tab, chunk_offset,
+                   part_i, part_f, total,
+                   KIND: tl.constexpr, ACC64: tl.constexpr, CODE: tl.constexpr,
+                   MULTI: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    """One partial per chunk of iters * BLOCK elements.
+
+    Single tensor (MULTI=False): x_ptr / numel describe it, chunk = program id.
+    Multi-tensor (MULTI=True): global chunk gid = chunk_offset + program id; ctensor_tab[gid] names
+    the tensor t, whose int64 data pointer is ptr_tab[t], element count numel_tab[t] and first
+    global chunk cbase_tab[t]. Partials are stored struct-of-arrays with row stride `total`:
+    part_i[k * total + gid] (k: nan, +inf, -inf, zero, first) and part_f[k * total + gid]
+    (k: min, max, sumsq).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    chunk = iters.to(tl.int64) * BLOCK
+    if MULTI:
+        gid = chunk_offset + pid
+        t = tl.load(ctensor_tab + gid)
+        p0 = _as_ptr(tl.load(ptr_tab + t), CODE)
+        if ALIGNED:  # the launcher checked data_ptr % 16 == 0: lets full tiles use 128-bit loads
+            p0 = tl.multiple_of(p0, 16)
+        n = tl.load(numel_tab + t)
+        start = (gid - tl.load(cbase_tab + t)) * chunk
+    else:
+        gid = pid
+        p0 = x_ptr
+        n = numel.to(tl.int64)
+        start = pid * chunk
+    p = p0 + start
+    rem = tl.minimum(n - start, chunk)  # 1 <= rem <= chunk
+    n_full = (rem // BLOCK).to(tl.int32)
+    n_tiles = ((rem + BLOCK - 1) // BLOCK).to(tl.int32)
+    rem32 = rem.to(tl.int32)
+
+    c_nan = tl.zeros([BLOCK], tl.int32)
+    c_pinf = tl.zeros([BLOCK], tl.int32)
+    c_ninf = tl.zeros([BLOCK], tl.int32)
+    c_zero = tl.zeros([BLOCK], tl.int32)
+    vfirst = tl.full([BLOCK], 2147483647, tl.int32)
+    if ACC64:
+        vmin = tl.full([BLOCK], float("inf"), tl.float64)
+        vmax = tl.full([BLOCK], float("-inf"), tl.float64)
+        vss = tl.zeros([BLOCK], tl.float64)
+    else:
+        vmin = tl.full([BLOCK], float("inf"), tl.float32)
+        vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+        vss = tl.zeros([BLOCK], tl.float32)
+
+    for i in range(0, n_full):
+        loc = i * BLOCK + tl.arange(0, BLOCK)
+        c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst = _tile(
+            p, loc, rem32, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst, KIND, ACC64, False)
+    for i in range(n_full, n_tiles):  # at most one partial tail tile
+        loc = i * BLOCK + tl.arange(0, BLOCK)
+        c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst = _tile(
+            p, loc, rem32, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst, KIND, ACC64, True)
+
+    f = tl.min(vfirst, axis=0)
+    first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
+    tl.store(part_i + gid, tl.sum(c_nan, axis=0).to(tl.int64))
+    tl.store(part_i + total + gid, tl.sum(c_pinf, axis=0).to(tl.int64))
+    tl.store(part_i + 2 * total + gid, tl.sum(c_ninf, axis=0).to(tl.int64))
+    tl.store(part_i + 3 * total + gid, tl.sum(c_zero, axis=0).to(tl.int64))
+    tl.store(part_i + 4 * total + gid, first)
+    tl.store(part_f + gid, tl.min(vmin, axis=0).to(tl.float64))
+    tl.store(part_f + total + gid, tl.max(vmax, axis=0).to(tl.float64))
+    tl.store(part_f + 2 * total + gid, tl.sum(vss, axis=0).to(tl.float64))
+
+
+@triton.jit(do_not_specialize=["total", "nchunks", "acc64"])
+def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, cbase_tab, nch_tab, acc64_tab,
+                   MULTI: tl.constexpr, BLOCK2: tl.constexpr):
+    """Record of tensor t = program id from its partials [base, base + n), combined in a fixed order.
+    Single tensor (MULTI=False): base 0, n = nchunks, float64 sumsq iff acc64 != 0."""
+    t = tl.program_id(0).to(tl.int64)
+    if MULTI:
+        base = tl.load(cbase_tab + t)
+        n = tl.load(nch_tab + t)
+        a64 = tl.load(acc64_tab + t)
+    else:
+        base = t * 0
+        n = nchunks.to(tl.int64)
+        a64 = acc64.to(tl.int64)
+
+    s_nan = tl.zeros([BLOCK2], tl.int64)
+    s_pinf = tl.zeros([BLOCK2], tl.int64)
+    s_ninf = tl.zeros([BLOCK2], tl.int64)
+    s_zero = tl.zeros([BLOCK2], tl.int64)
+    vfirst = tl.full([BLOCK2], 9223372036854775807, tl.int64)
+    vmin = tl.full([BLOCK2], float("inf"), tl.float64)
+    vmax = tl.full([BLOCK2], float("-inf"), tl.float64)
+    ss32 = tl.zeros([BLOCK2], tl.float32)
+    ss64 = tl.zeros([BLOCK2], tl.float64)
+    for c in range(0, n, BLOCK2):
+        idx = c + tl.arange(0, BLOCK2)
+        m = idx < n
+        g = base + idx
+        s_nan += tl.load(part_i + g, mask=m, other=0)
+        s_pinf += tl.load(part_i + total + g, mask=m, other=0)
+        s_ninf += tl.load(part_i + 2 * total + g, mask=m, other=0)
+        s_zero += tl.load(part_i + 3 * total + g, mask=m, other=0)
+        vfirst = tl.minimum(vfirst, tl.load(part_i + 4 * total + g, mask=m, other=9223372036854775807))
+        vmin = tl.minimum(vmin, tl.load(part_f + g, mask=m, other=float("inf")))
+        vmax = tl.maximum(vmax, tl.load(part_f + total + g, mask=m, other=float("-inf")))
+        ss = tl.load(part_f + 2 * total + g, mask=m, other=0.0)
+        ss32 += ss.to(tl.float32)  # exact: float32-accumulated partials are float32 values
+        ss64 += ss
+
+    first = tl.min(vfirst, axis=0)
+    o = out + t * 8
+    tl.store(o, tl.sum(s_nan, axis=0).to(tl.float64))
+    tl.store(o + 1, tl.sum(s_pinf, axis=0).to(tl.float64))
+    tl.store(o + 2, tl.sum(s_ninf, axis=0).to(tl.float64))
+    tl.store(o + 3, tl.sum(s_zero, axis=0).to(tl.float64))
+    tl.store(o + 4, tl.min(vmin, axis=0))
+    tl.store(o + 5, tl.max(vmax, axis=0))
+    tl.store(o + 6, tl.where(a64 != 0, tl.sum(ss64, axis=0), tl.sum(ss32, axis=0).to(tl.float64)))
+    tl.store(o + 7, tl.where(first == 9223372036854775807, -1.0, first.to(tl.float64)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+def _prepare(x: torch.Tensor, op: str):
+    """Validate x and return (flat contiguous tensor the kernel reads, kind, acc64).
+
+    Raises TypeError (naming the dtype / layout and the supported set) like csrc/inputs.h."""
+    real = normalize_input(x, op)  # TypeError for nested / quantized / sparse / bad dtype
+    info = _DTYPE_INFO.get(real.dtype)
+    if info is None:  # normalize_input and _DTYPE_INFO disagree: still a clean TypeError
+        raise TypeError(f"{op}: dtype {x.dtype} is not supported ({SUPPORTED_TEXT})")
+    kind, acc64, view_as = info
+    if x.is_complex():
+        real = torch.view_as_real(x.detach().resolve_conj())
+    t = real.detach().resolve_neg().contiguous().reshape(-1)
+    if view_as is not None:
+        t = t.view(view_as)
+    if INTERPRETING and t.dtype in (torch.float16, torch.bfloat16):
+        t = t.float()  # the interpreter has no bf16 arithmetic; fp32 is the compute type anyway
+    if t.device.type == "cpu" and not INTERPRETING:
+        raise ValueError(f"{op}: the triton backend runs on CUDA tensors, or on CPU tensors only under "
+                         "TRITON_INTERPRET=1 (set before triton is imported); got a CPU tensor")
+    return t, kind, acc64
+
+
+def _device_guard(device: torch.device):
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _identity(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_IDENTITY, dtype=torch.float64).to(device, non_blocking=True)
+
+
+def _iters_for(nblocks: int) -> int:
+    return max(1, min(_MAX_ITERS, nblocks // _TARGET_PROGRAMS))
+
+
+def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
+    """Write the record of the flat contiguous tensor t into out ([8] float64, t.device)."""
+    n = t.numel()
+    if n == 0:
+        out.copy_(torch.tensor(_IDENTITY, dtype=torch.float64), non_blocking=True)
+        return out
+    block = block or _BLOCK_BY_ITEMSIZE[t.element_size()]
+    iters = iters or _iters_for(triton.cdiv(n, block))
+    nchunks = triton.cdiv(n, block * iters)
+    part_i = torch.empty(5 * nchunks, dtype=torch.int64, device=t.device)
+    part_f = torch.empty(3 * nchunks, dtype=torch.float64, device=t.device)
+    with _device_guard(t.device):
+        _stage1_kernel[(nchunks,)](
+            t, n, iters, part_i, part_i, part_i, part_i, 0, part_i, part_f, nchunks,
+            KIND=kind, ACC64=acc64, CODE=_PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=block,
+            num_warps=_NUM_WARPS)
+        _stage2_kernel[(1,)](
+            part_i, part_f, nchunks, out, nchunks, int(acc64), part_i, part_i, part_i,
+            MULTI=False, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
+    return out
+
+
+def summarize(x: torch.Tensor, *, _block=None, _iters=None) -> torch.Tensor:
+    """Float64 ``[8]`` record of ``x`` on ``x.device`` (two launches; none for an empty tensor).
+
+    Non-contiguous ``x`` is copied with ``.contiguous()`` first (a known limitation of this backend).
+    ``_block`` / ``_iters`` override the tile size / tiles per program (tests only)."""
+    t, kind, acc64 = _prepare(x, "nanscan.triton_summarize")
+    out = torch.empty(RECORD_SIZE, dtype=torch.float64, device=t.device)
+    return _summarize_prepared(t, kind, acc64, out, _block, _iters)
+
+
+def _check_list(xs, op):
+    xs = list(xs)
+    for x in xs:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: expected a list of torch.Tensor, got an element of type {type(x).__name__}")
+    devices = {x.device for x in xs}
+    if len(devices) > 1:
+        raise ValueError(f"{op}: all tensors must be on one device, got {sorted(str(d) for d in devices)}")
+    return xs
+
+
+def summarize_many(xs: list) -> torch.Tensor:
+    """Float64 ``[len(xs), 8]`` records, one row per tensor, on the tensors' (common) device.
+
+    On CUDA this is the pointer-table path (``_summarize_many_table``): one stage-1 launch per
+    (element kind, alignment) group and one stage-2 launch for all tensors, no host sync. Under
+    ``TRITON_INTERPRET=1`` it is a Python loop over :func:`summarize`. An empty list gives a
+    ``[0, 8]`` CPU tensor."""
+    op = "nanscan.triton_summarize_many"
+    xs = _check_list(xs, op)
+    if not xs:
+        return torch.empty((0, RECORD_SIZE), dtype=torch.float64)
+    if INTERPRETING or xs[0].device.type != "cuda":
+        prepared = [_prepare(x, op) for x in xs]  # validate everything before launching anything
+        out = torch.empty((len(xs), RECORD_SIZE), dtype=torch.float64, device=prepared[0][0].device)
+        for row, (t, kind, acc64) in zip(out, prepared):
+            _summarize_prepared(t, kind, acc64, row)
+        return out
+    return _summarize_many_table(xs)
+
+
+def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor:
+    """Multi-tensor summarize through a pointer table (the CUDA path; also runs under the
+    interpreter on CPU tensors, where the table holds host addresses).
+
+    Tensors are grouped by (kind, accumulator, pointer element type, 16-byte alignment); all of a
+    group's chunks are numbered consecutively in one global chunk space, so one stage-1 launch per
+    group writes its partials and one stage-2 launch writes every record. The tables (data
+    pointers, numels, first chunk and chunk count per tensor, float64-accumulation flags, and the
+    owning tensor of every chunk) travel in one int64 host-to-device copy."""
+    op = "nanscan.triton_summarize_many"
+    xs = _check_list(xs, op)
+    if not xs:
+        return torch.empty((0, RECORD_SIZE), dtype=torch.float64)
+    prepared = [_prepare(x, op) for x in xs]
+    device = prepared[0][0].device
+    n = len(prepared)
+    out = torch.empty((n, RECORD_SIZE), dtype=torch.float64, device=device)
+
+    groups: dict = {}
+    for i, (t, kind, acc64) in enumerate(prepared):
+        if t.numel() == 0:
+            continue  # no chunks: stage 2 writes the identity record
+        key = (kind, acc64, _PTR_CODE[t.dtype], t.data_ptr() % 16 == 0)
+        groups.setdefault(key, []).append(i)
+
+    cbase, nch = [0] * n, [0] * n
+    order, plan = [], []
+    total = 0
+    for key, idxs in groups.items():
+        t0 = prepared[idxs[0]][0]
+        block = _block or _BLOCK_BY_ITEMSIZE[t0.element_size()]
+        iters = _iters or _iters_for(sum(triton.cdiv(prepared[i][0].numel(), block) for i in idxs))
+        chunk = block * iters
+        start = total
+        for i in idxs:
+            cbase[i] = total
+            nch[i] = triton.cdiv(prepared[i][0].numel(), chunk)
+            total += nch[i]
+        order.extend(idxs)
+        plan.append((key, start, total - start, iters, block, t0))
+
+    ptrs = [t.data_ptr() if t.numel() else 0 for t, _, _ in prepared]
+    numels = [t.numel() for t, _, _ in prepared]
+    acc = [int(a) for _, _, a in prepared]
+    owner = torch.repeat_interleave(torch.tensor(order, dtype=torch.int64),
+                                    torch.tensor([nch[i] for i in order], dtype=torch.int64))
+    meta_host = torch.cat([torch.tensor(ptrs + numels + cbase + nch + acc, dtype=torch.int64), owner])
+    meta = meta_host.to(device, non_blocking=True)  # pageable source: staged at once, no device sync
+    ptr_tab, numel_tab, cbase_tab, nch_tab, acc_tab = (meta[k * n:(k + 1) * n] for k in range(5))
+    ctensor_tab = meta[5 * n:]
+
+    rows = max(total, 1)
+    part_i = torch.empty(5 * rows, dtype=torch.int64, device=device)
+    part_f = torch.empty(3 * rows, dtype=torch.float64, device=device)
+    with _device_guard(device):
+        for (kind, acc64, code, aligned), start, count, iters, block, t0 in plan:
+            _stage1_kernel[(count,)](
+                t0, 0, iters, ptr_tab, numel_tab, cbase_tab, ctensor_tab, start, part_i, part_f, rows,
+                KIND=kind, ACC64=acc64, CODE=code, MULTI=True, ALIGNED=aligned, BLOCK=block,
+                num_warps=_NUM_WARPS)
+        _stage2_kernel[(n,)](
+            part_i, part_f, rows, out, 0, 0, cbase_tab, nch_tab, acc_tab,
+            MULTI=True, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
+    # The tables, partials and any contiguous copies are freed on return; the caching allocator
+    # only reuses their blocks for work queued later on the same stream, so the kernels are safe.
+    return out

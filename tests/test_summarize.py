@@ -1,0 +1,196 @@
+"""Every compiled backend against the pure-PyTorch reference, over dtypes x shapes x layouts x values."""
+import json
+import os
+
+import pytest
+import torch
+
+import nanscan
+from nanscan.kernels import reference
+from tests.helpers import FLOAT8, VALUE_KINDS, assert_record_matches, cast, layouts, special_values
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, *FLOAT8, torch.int32, torch.int64,
+          torch.uint8, torch.bool, torch.complex64]
+# Sizes are multiples of 12 (for the layouts) chosen to straddle vector widths and the 64K chunk.
+SIZES = [12, 1020, 65544, 3 * 65536 + 24]
+
+
+def compiled_backends():
+    """(backend, device) pairs to test against the reference on this machine; triton on CPU (the
+    interpreter) has its own small-shape tests in test_triton.py."""
+    out = [("cpu", "cpu")] if "cpu" in nanscan.available_backends() else []
+    if torch.cuda.is_available():
+        out += [(b, "cuda") for b in ("cuda", "triton") if b in nanscan.available_backends()]
+    return out
+
+
+BACKENDS = compiled_backends()
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", VALUE_KINDS)
+def test_matches_reference_all_values(backend, device, dtype, kind):
+    gen = torch.Generator().manual_seed(hash((str(dtype), kind)) % 2**31)
+    for n in SIZES[:3]:
+        x = cast(special_values(kind, n, gen), dtype).to(device)
+        assert_record_matches(nanscan.record(x, backend=backend), reference.summarize(x), x, f"{backend} n={n}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.complex64], ids=str)
+@pytest.mark.parametrize("kind", ["random", "mixed", "nan_last"])
+def test_matches_reference_all_layouts(backend, device, dtype, kind):
+    gen = torch.Generator().manual_seed(7)
+    base = cast(special_values(kind, 3 * 65536 + 24, gen), dtype).to(device)
+    for name, view in layouts(base):
+        assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() or name == "channels_last"
+        assert_record_matches(nanscan.record(view, backend=backend), reference.summarize(view), view,
+                              f"{backend} {name}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_first_nonfinite_is_logical_row_major_index(backend, device):
+    x = torch.zeros(6, 8, device=device)
+    x[5, 1] = float("nan")  # memory offset 41; in x.t() it is logical (1, 5) -> 1 * 6 + 5 = 11
+    x[2, 7] = float("inf")  # memory offset 23; in x.t() logical (7, 2) -> 44
+    assert nanscan.summarize(x, backend=backend).first_nonfinite_index == 23
+    assert nanscan.summarize(x.t(), backend=backend).first_nonfinite_index == 11
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_empty_and_zero_dim(backend, device):
+    for x in [torch.empty(0, device=device), torch.empty(3, 0, 5, device=device)]:
+        s = nanscan.summarize(x, backend=backend)
+        assert (s.numel, s.nonfinite_count, s.zero_count, s.sumsq) == (0, 0, 0, 0.0)
+        assert s.finite_min is None and s.finite_max is None and s.first_nonfinite_index is None
+    s = nanscan.summarize(torch.tensor(float("-inf"), device=device), backend=backend)
+    assert (s.shape, s.numel, s.neginf_count, s.first_nonfinite_index, s.finite_min) == ((), 1, 1, 0, None)
+    s = nanscan.summarize(torch.tensor(-2.5, device=device), backend=backend)
+    assert (s.finite_min, s.finite_max, s.sumsq, s.is_finite) == (-2.5, -2.5, 6.25, True)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_sumsq_overflow_is_a_finding_not_an_error(backend, device):
+    x = torch.full((1000,), 1e20, device=device)  # every element finite; the FP32 squares are not
+    s = nanscan.summarize(x, backend=backend)
+    assert s.is_finite and s.sumsq_overflowed and s.l2_norm == float("inf")
+    assert (s.finite_min, s.finite_max) == (pytest.approx(1e20), pytest.approx(1e20))
+    s64 = nanscan.summarize(x.double(), backend=backend)  # FP64 accumulation does not overflow
+    assert not s64.sumsq_overflowed and s64.sumsq == pytest.approx(1000 * 1e40)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_float8_special_values(backend, device):
+    if not FLOAT8:
+        pytest.skip("this torch has no float8 dtypes")
+    # Built from bit patterns: torch's float -> float8 casts saturate ±inf instead of producing them.
+    e4m3_bits = torch.tensor([0x38, 0x7F, 0xFF, 0x00, 0x80, 0xFE], dtype=torch.uint8)  # 1, NaN, -NaN, 0, -0, -448
+    e4m3 = nanscan.summarize(e4m3_bits.view(torch.float8_e4m3fn).to(device), backend=backend)
+    assert (e4m3.nan_count, e4m3.posinf_count, e4m3.neginf_count, e4m3.zero_count) == (2, 0, 0, 2)
+    assert (e4m3.finite_min, e4m3.finite_max, e4m3.first_nonfinite_index) == (-448.0, 1.0, 1)
+    e5m2_bits = torch.tensor([0x3C, 0x7E, 0x7C, 0xFC, 0x00, 0x7B], dtype=torch.uint8)  # 1, NaN, inf, -inf, 0, 57344
+    e5m2 = nanscan.summarize(e5m2_bits.view(torch.float8_e5m2).to(device), backend=backend)
+    assert (e5m2.nan_count, e5m2.posinf_count, e5m2.neginf_count, e5m2.zero_count) == (1, 1, 1, 1)
+    assert (e5m2.finite_max, e5m2.first_nonfinite_index) == (57344.0, 1)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_summarize_many_matches_single(backend, device):
+    gen = torch.Generator().manual_seed(3)
+    xs = [cast(special_values(kind, n, gen), dtype).to(device)
+          for kind, n, dtype in [("mixed", 70001, torch.float32), ("random", 5, torch.bfloat16),
+                                 ("nan_last", 3 * 65536 + 1, torch.float16), ("random", 0, torch.float32),
+                                 ("all_inf", 12, torch.float64), ("random", 100, torch.int64)]]
+    xs.append(xs[0].reshape(-1)[:70000].reshape(700, 100).t())
+    rows = nanscan.records(xs, backend=backend)
+    assert rows.shape == (len(xs), nanscan.RECORD_SIZE) and rows.device.type == device
+    for row, x in zip(rows, xs):
+        assert_record_matches(row, reference.summarize(x), x, f"{backend} many")
+    summaries = nanscan.summarize_many(xs, backend=backend)
+    assert [s.shape for s in summaries] == [tuple(x.shape) for x in xs]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_summarize_many_thousands_of_tensors(backend, device):
+    xs = [torch.full((i % 7 + 1,), float(i), device=device) for i in range(3000)]
+    xs[2500][0] = float("nan")
+    rows = nanscan.records(xs, backend=backend).cpu()
+    assert rows[:, 0].sum().item() == 1 and rows[2500, 0].item() == 1
+    assert rows[:, 5].tolist() == [float(i) for i in range(3000)]
+
+
+def test_cpu_results_do_not_depend_on_thread_count():
+    if "cpu" not in nanscan.available_backends():
+        pytest.skip("compiled library not available")
+    gen = torch.Generator().manual_seed(0)
+    xs = [cast(special_values("mixed", 5 * 65536 + 7, gen), dtype) for dtype in (torch.float32, torch.bfloat16)]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(nanscan.records(xs + [xs[0][::3]], backend="cpu"))
+    finally:
+        torch.set_num_threads(before)
+    for r in results[1:]:
+        assert torch.equal(r, results[0])  # bitwise, the FP32 sum of squares included
+
+
+def test_summary_properties_and_strict_json():
+    x = torch.tensor([3.0, -4.0, float("nan"), 0.0, float("inf")])
+    s = nanscan.summarize(x, backend="reference")
+    assert (s.nonfinite_count, s.finite_count, s.is_finite, s.absmax, s.l2_norm) == (2, 3, False, 4.0, 5.0)
+    d = json.loads(json.dumps(nanscan.summarize(torch.full((4,), float("nan"))).to_dict(), allow_nan=False))
+    assert d["finite_min"] is None and d["first_nonfinite_index"] == 0 and d["nan_count"] == 4
+    d = json.loads(json.dumps(nanscan.summarize(torch.full((4,), 1e20)).to_dict(), allow_nan=False))
+    assert d["sumsq"] == {"finite": False, "value": "inf"} and d["sumsq_overflowed"] is True
+
+
+def test_complex_is_summarized_as_view_as_real():
+    x = torch.tensor([1 + 2j, complex(float("nan"), 0), complex(0, float("inf"))], dtype=torch.complex64)
+    s = nanscan.summarize(x)
+    assert s.shape == (3, 2) and s.numel == 6
+    assert (s.nan_count, s.posinf_count, s.first_nonfinite_index, s.zero_count) == (1, 1, 2, 2)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_unsupported_inputs_raise_clear_errors(backend):
+    if backend not in nanscan.available_backends():
+        pytest.skip("compiled library not available")
+    dense = torch.eye(3)
+    with pytest.raises(TypeError, match="layout torch.sparse_coo is not supported.*supported: float64"):
+        nanscan.summarize(dense.to_sparse(), backend=backend)
+    with pytest.raises(TypeError, match="layout torch.sparse_csr"):
+        nanscan.summarize(dense.to_sparse_csr(), backend=backend)
+    with pytest.raises(TypeError, match="quantized"):
+        nanscan.summarize(torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), backend=backend)
+    with pytest.raises(TypeError, match="nested"):
+        nanscan.summarize(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), backend=backend)
+    with pytest.raises(TypeError, match="dtype torch.uint16 is not supported"):
+        nanscan.summarize(torch.zeros(3, dtype=torch.uint16), backend=backend)
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        nanscan.summarize([1.0, 2.0], backend=backend)
+    with pytest.raises(ValueError, match="meta tensor has no values"):
+        nanscan.summarize(torch.empty(3, device="meta"), backend=backend)
+
+
+def test_backend_choice_errors_and_env(monkeypatch):
+    with pytest.raises(ValueError, match="unknown nanscan backend backend='fast'; choose one of cpu, cuda"):
+        nanscan.summarize(torch.ones(2), backend="fast")
+    monkeypatch.setenv("NANSCAN_BACKEND", "nope")
+    with pytest.raises(ValueError, match="NANSCAN_BACKEND='nope'"):
+        nanscan.summarize(torch.ones(2))
+    monkeypatch.setenv("NANSCAN_BACKEND", "reference")
+    assert nanscan.summarize(torch.tensor([float("nan")])).nan_count == 1
+    if not torch.cuda.is_available() and "cpu" in nanscan.available_backends():
+        with pytest.raises((ValueError, nanscan.ExtensionError), match="cuda"):
+            nanscan.summarize(torch.ones(2), backend="cuda")
+
+
+def test_records_are_device_tensors_without_host_sync():
+    x = torch.randn(100)
+    rec = nanscan.record(x)
+    assert rec.dtype == torch.float64 and rec.shape == (nanscan.RECORD_SIZE,) and rec.device == x.device
+    meta = nanscan.record(torch.empty(10, device="meta"))  # the fake kernel: shape propagation only
+    assert meta.device.type == "meta" and meta.shape == (nanscan.RECORD_SIZE,)
