@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from nanscan import _ops
-from nanscan.record import TensorSummary
+from nanscan.record import RECORD_SIZE, TensorSummary
 
 
 def _check_tensor(x, op: str) -> torch.Tensor:
@@ -43,8 +43,9 @@ def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.
     devices = {x.device for x in xs}
     if len(devices) > 1:
         raise ValueError(f"nanscan.records: all tensors must be on one device, got {sorted(map(str, devices))}")
-    device = xs[0].device if xs else torch.device("cpu")
-    chosen = _ops.resolve_backend(backend, device)
+    if not xs:  # no tensor, no device: the dispatcher could not route the op
+        return torch.empty(0, RECORD_SIZE, dtype=torch.float64)
+    chosen = _ops.resolve_backend(backend, xs[0].device)
     if chosen == "reference":
         from nanscan.kernels import reference
 

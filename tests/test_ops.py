@@ -1,0 +1,98 @@
+"""The ops as torch ops: opcheck on every op in the namespace, and torch.compile without graph breaks."""
+import pytest
+import torch
+
+import nanscan
+from nanscan import _ops
+from nanscan.kernels import reference
+from tests.helpers import assert_record_matches
+
+pytestmark = pytest.mark.skipif(_ops.LOAD_ERROR is not None, reason=f"compiled library unusable: {_ops.LOAD_ERROR}")
+
+
+def devices_for(op_name):
+    if op_name.startswith("triton_"):
+        return ["cuda"] if torch.cuda.is_available() else (["cpu"] if _ops.triton_usable() else [])
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() and _ops.has_cuda_kernels() else [])
+
+
+def sample_inputs(op_name, device):
+    """Small inputs: under TRITON_INTERPRET=1 the triton ops run in the (slow) interpreter."""
+    x = torch.tensor([[1.0, float("nan"), -3.0], [0.0, float("inf"), 2.0]], device=device)
+    y = torch.arange(10, dtype=torch.int32, device=device)
+    many = op_name.endswith("_many")
+    if many:
+        # (an empty list has no device, so the dispatcher cannot route it: nanscan.records handles it)
+        return [([x, y, x.t(), torch.empty(0, device=device)],)] if device == "cpu" else [([x, y],)]
+    return [(x,), (x.t(),), (y,), (torch.tensor(5.0, device=device),)]
+
+
+def nanscan_op_names():
+    names = sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("nanscan::"))
+    assert names, "no nanscan op is registered"
+    return names
+
+
+def test_every_op_is_known_to_this_test():
+    assert set(nanscan_op_names()) == set(_ops.OPS), "add sample inputs for the new op to tests/test_ops.py"
+
+
+@pytest.mark.parametrize("op_name", _ops.OPS)
+def test_opcheck(op_name):
+    devices = devices_for(op_name)
+    if not devices:
+        pytest.skip(f"{op_name} has no usable kernel here")
+    op = getattr(torch.ops.nanscan, op_name)
+    for device in devices:
+        for args in sample_inputs(op_name, device):
+            torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph_keeps_ops_in_graph_and_matches_eager():
+    def health(x, w):
+        y = torch.relu(x @ w)
+        return y.sum(), nanscan.record(y), nanscan.records([x, w, y])
+
+    x, w = torch.randn(64, 32), torch.randn(32, 16)
+    x[3, 4] = float("nan")
+    eager = health(x, w)
+    # fullgraph=True turns any graph break into an error
+    compiled = torch.compile(health, fullgraph=True, backend="aot_eager")(x, w)
+    assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+    assert_record_matches(compiled[1], reference.summarize(torch.relu(x @ w)), x)
+
+
+def test_compile_inductor_calls_the_op():
+    def f(x):
+        return nanscan.record(x * 2)
+
+    x = torch.randn(1000)
+    x[10] = float("-inf")
+    explained = torch._dynamo.explain(f)(x)
+    assert explained.graph_break_count == 0
+    out = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(out, f(x))
+
+
+def test_cuda_kernels_registered_iff_info_says_compiled():
+    info = nanscan.build_info()
+    assert info is not None
+    assert _ops.has_cuda_kernels() == bool(info["cuda_compiled"])
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("nanscan::summarize", "CPU")
+
+
+def test_stale_or_missing_library_is_refused_loudly(monkeypatch):
+    monkeypatch.setattr(_ops, "build_info", lambda: {"torch": "1.0.0", "source_hash": "x"})
+    err = _ops._load()
+    assert isinstance(err, nanscan.ExtensionError) and "built against torch 1.0.0" in str(err)
+    monkeypatch.setattr(_ops, "build_info", lambda: {"torch": torch.__version__, "source_hash": "x"})
+    if (_ops.os.path.isdir(_ops.os.path.join(_ops.REPO_DIR, "csrc"))):
+        assert "is stale" in str(_ops._load())
+    monkeypatch.setattr(_ops, "library_path", lambda: None)
+    assert "was not found" in str(_ops._load())
+    # ...and a compiled backend then raises it, while the reference backend still works
+    monkeypatch.setattr(_ops, "LOAD_ERROR", _ops._load())
+    with pytest.raises(nanscan.ExtensionError, match="not found"):
+        nanscan.summarize(torch.ones(3))
+    assert nanscan.available_backends() == ["reference"]
+    assert nanscan.summarize(torch.ones(3), backend="reference").sumsq == 3.0
