@@ -1,0 +1,43 @@
+# Two commands from a fresh clone: `make test` and `make demo`. Both create .venv and install what
+# they need (torch 2.14.1 is the CUDA 13.0 build; it brings triton 3.8).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.14.1
+# CUDA kernels are compiled (not run) even without a GPU; NANSCAN_CUDA=0 skips them, unset = auto.
+export NANSCAN_CUDA ?= 1
+export MAX_JOBS ?= 2
+# Benchmarks in quick mode: a few rounds each, enough for the ratio table, not for publication.
+QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-warmup=off -p no:randomly
+
+.PHONY: test demo build bench bench-full info clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark
+	touch $@
+
+# The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.
+$(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f)
+	$(PY) -m pip install --no-build-isolation --no-deps -e .
+	$(PY) -m nanscan info
+	touch $@
+
+build: $(VENV)/.built
+
+test: build
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q benchmarks $(QUICK_BENCH) --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+bench: build
+	$(PY) -m pytest -q benchmarks --benchmark-columns=median,iqr,rounds --benchmark-json=benchmarks/results/latest-cpu.json
+
+demo: build
+	$(PY) -m nanscan demo
+
+info: build
+	$(PY) -m nanscan info
+
+clean:
+	rm -rf build nanscan/_C*.so nanscan/_build_info.json $(VENV)/.built

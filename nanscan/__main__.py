@@ -1,0 +1,5 @@
+import sys
+
+from nanscan.cli import main
+
+sys.exit(main())
