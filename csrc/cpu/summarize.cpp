@@ -155,8 +155,13 @@ void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_
   }
 }
 
-// Vectorized body over finite lanes; lane counters are float/double, exact because a chunk puts at
-// most kChunk / lanes (<= 8192) into each lane.
+// Vectorized fast path, written for the common case of a chunk with no non-finite element:
+//   probe = fma(v, 0, probe) stays 0 while every v is finite and turns NaN at the first NaN/±Inf
+//   (inf * 0 = NaN), so detecting non-finite values costs one FMA per vector;
+//   min / max / sum of squares / zero count then run over raw lanes, with no masking.
+// A chunk whose probe is not 0 is rescanned by the scalar path, which classifies every element
+// (non-finite chunks are the rare case; at worst, all NaN, a chunk is read twice).
+// Lane counters are float / double: exact, since a lane sees at most kChunk / 8 elements.
 template <typename acc_t>
 struct VecState {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -164,69 +169,71 @@ struct VecState {
   Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
   Vec sumsq = Vec(acc_t(0));
   Vec zeros = Vec(acc_t(0));
-  Vec finite = Vec(acc_t(0));
+  Vec probe = Vec(acc_t(0));
 
   inline void add(const Vec& v) {
-    const Vec inf(std::numeric_limits<acc_t>::infinity());
-    const Vec one(acc_t(1));
-    const Vec is_finite = v.abs() < inf;  // all-ones lanes; false for NaN and ±Inf
-    finite = finite + (is_finite & one);
-    vmin = at::vec::minimum(vmin, Vec::blendv(inf, v, is_finite));
-    vmax = at::vec::maximum(vmax, Vec::blendv(-inf, v, is_finite));
-    const Vec fv = v & is_finite;  // non-finite lanes become +0 and add nothing
-    sumsq = at::vec::fmadd(fv, fv, sumsq);
-    zeros = zeros + ((v == Vec(acc_t(0))) & one);
+    probe = at::vec::fmadd(v, Vec(acc_t(0)), probe);
+    vmin = at::vec::clamp_max(vmin, v);  // min(vmin, v); NaN lanes are handled by the rescan
+    vmax = at::vec::clamp_min(vmax, v);
+    sumsq = at::vec::fmadd(v, v, sumsq);
+    zeros = zeros + ((v == Vec(acc_t(0))) & Vec(acc_t(1)));
   }
 
-  // Horizontal reduction in fixed lane order; returns how many finite elements were seen.
-  int64_t flush(Partial<acc_t>& p) const {
+  // Horizontal reduction of several states in a fixed order; false if any lane saw a non-finite value.
+  template <size_t N>
+  static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
-    acc_t lmin[n], lmax[n], lsq[n], lzero[n], lfin[n];
-    vmin.store(lmin);
-    vmax.store(lmax);
-    sumsq.store(lsq);
-    zeros.store(lzero);
-    finite.store(lfin);
-    int64_t finite_count = 0;
-    for (int i = 0; i < n; ++i) {
-      p.min = std::min(p.min, static_cast<double>(lmin[i]));
-      p.max = std::max(p.max, static_cast<double>(lmax[i]));
-      p.sumsq += lsq[i];
-      p.zero += static_cast<int64_t>(lzero[i]);
-      finite_count += static_cast<int64_t>(lfin[i]);
+    acc_t lmin[n], lmax[n], lsq[n], lzero[n], lprobe[n];
+    for (const VecState& s : states) {
+      s.vmin.store(lmin);
+      s.vmax.store(lmax);
+      s.sumsq.store(lsq);
+      s.zeros.store(lzero);
+      s.probe.store(lprobe);
+      for (int i = 0; i < n; ++i) {
+        if (lprobe[i] != 0) return false;
+        p.min = std::min(p.min, static_cast<double>(lmin[i]));
+        p.max = std::max(p.max, static_cast<double>(lmax[i]));
+        p.sumsq += lsq[i];
+        p.zero += static_cast<int64_t>(lzero[i]);
+      }
     }
-    return finite_count;
+    return true;
   }
 };
 
 template <typename scalar_t>
 void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p) {
   using acc_t = cmp_t<scalar_t>;
+  auto load = [&](int64_t i) { return data[i]; };
   if constexpr (kVectorized<scalar_t>) {
     using In = at::vec::Vectorized<scalar_t>;
-    VecState<acc_t> state;
-    int64_t i = begin;
-    const int64_t vec_end = begin + (end - begin) / In::size() * In::size();
-    for (; i < vec_end; i += In::size()) {
-      const In v = In::loadu(data + i);
-      if constexpr (std::is_same_v<scalar_t, acc_t>) {
-        state.add(v);
-      } else {
-        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
-        state.add(lo);
-        state.add(hi);
+    // Four independent accumulator sets hide the FMA / add latency of the loop-carried chains.
+    constexpr int64_t kUnroll = 4;
+    constexpr int64_t kStep = kUnroll * In::size();
+    VecState<acc_t> states[kUnroll];
+    const int64_t vec_end = begin + (end - begin) / kStep * kStep;
+    for (int64_t i = begin; i < vec_end; i += kStep) {
+      for (int64_t u = 0; u < kUnroll; ++u) {
+        const In v = In::loadu(data + i + u * In::size());
+        if constexpr (std::is_same_v<scalar_t, acc_t>) {
+          states[u].add(v);
+        } else {
+          auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+          states[u].add(lo);
+          states[u].add(hi);
+        }
       }
     }
-    if (state.flush(p) != vec_end - begin) {
-      // Rare path: classify the non-finite elements of the vectorized part one by one.
-      for (int64_t j = begin; j < vec_end; ++j) {
-        const acc_t v = static_cast<acc_t>(data[j]);
-        if (!std::isfinite(v)) note_nonfinite(p, v, j);
-      }
+    Partial<acc_t> vec_part;
+    if (VecState<acc_t>::flush(states, vec_part)) {
+      p.merge(vec_part);
+    } else {
+      scan_scalar<scalar_t>(begin, vec_end, p, load);  // the chunk holds a NaN or ±Inf
     }
-    for (; i < end; ++i) accumulate(p, static_cast<acc_t>(data[i]), i);
+    scan_scalar<scalar_t>(vec_end, end, p, load);
   } else {
-    scan_scalar<scalar_t>(begin, end, p, [&](int64_t i) { return data[i]; });
+    scan_scalar<scalar_t>(begin, end, p, load);
   }
 }
 

@@ -1,0 +1,74 @@
+"""summarize vs torch.sum (the one-read-pass floor) vs the naive composite; summarize_many over
+GPT-2-small parameter shapes vs torch._foreach_norm and a Python loop of summarize (DESIGN §7).
+
+CPU: 16M-element tensors (64 MiB in fp32: past the caches). GPU: 1 GiB tensors (L2 is 60 MB).
+"""
+import pytest
+import torch
+
+import nanscan
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUMEL = (1 << 28) if DEVICE == "cuda" else (1 << 24)  # 1 GiB fp32 on GPU, 64 MiB on CPU
+BACKENDS = [b for b in nanscan.available_backends() if b != "reference" and (b != "triton" or DEVICE == "cuda")]
+
+
+def naive_composite(x: torch.Tensor):
+    """What a user writes without nanscan: one kernel (or more) per statistic."""
+    finite = torch.isfinite(x)
+    return (torch.isnan(x).sum(), torch.isposinf(x).sum(), torch.isneginf(x).sum(), (x == 0).sum(),
+            torch.where(finite, x, float("inf")).amin(), torch.where(finite, x, -float("inf")).amax(),
+            torch.where(finite, x, 0).float().pow(2).sum())
+
+
+def gpt2_small_shapes():
+    """Parameter shapes of GPT-2 small (124M): 148 tensors."""
+    d, layers = 768, 12
+    shapes = [(50257, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def big(request):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(NUMEL, generator=gen).to(getattr(torch, request.param)).to(DEVICE)
+
+
+def test_sum_baseline(big, run_bench):
+    run_bench(lambda: big.sum(), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M", "torch.sum", baseline=True)
+
+
+def test_naive_composite(big, run_bench):
+    run_bench(lambda: naive_composite(big), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M", "naive composite (7 ops)")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_summarize(big, run_bench, backend):
+    run_bench(lambda: nanscan.record(big, backend=backend), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M",
+              f"nanscan.record[{backend}]")
+
+
+@pytest.fixture(scope="module")
+def params():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=gen).to(DEVICE) for s in gpt2_small_shapes()]
+
+
+GROUP_MANY = "many: gpt2-small params"
+
+
+def test_foreach_norm_baseline(params, run_bench):
+    run_bench(lambda: torch._foreach_norm(params), GROUP_MANY, "torch._foreach_norm", baseline=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_summarize_many(params, run_bench, backend):
+    run_bench(lambda: nanscan.records(params, backend=backend), GROUP_MANY, f"nanscan.records[{backend}]")
+
+
+@pytest.mark.parametrize("backend", BACKENDS[:1])
+def test_python_loop_of_summarize(params, run_bench, backend):
+    run_bench(lambda: [nanscan.record(p, backend=backend) for p in params], GROUP_MANY,
+              f"loop of nanscan.record[{backend}]")
