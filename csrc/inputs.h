@@ -31,7 +31,7 @@ constexpr const char* kSupportedText =
     "as dense strided tensors";
 
 // Returns the tensor the kernels actually read: x itself, or view_as_real(x) for complex x.
-// Never copies.
+// Copies only a lazily conjugated / negated view (x.conj(), x.conj().imag), which has no real view.
 inline at::Tensor normalize_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK_TYPE(x.defined(), op, ": got an undefined tensor");
   TORCH_CHECK_TYPE(!x.is_nested(), op, ": nested tensors are not supported (",
@@ -40,7 +40,7 @@ inline at::Tensor normalize_input(const at::Tensor& x, const char* op) {
                    ") are not supported (", kSupportedText, "); dequantize first");
   TORCH_CHECK_TYPE(x.layout() == at::kStrided, op, ": layout ", x.layout(),
                    " is not supported (", kSupportedText, "); convert with .to_dense()");
-  at::Tensor t = x.is_complex() ? at::view_as_real(x) : x;
+  at::Tensor t = x.is_complex() ? at::view_as_real(x.resolve_conj().resolve_neg()) : x.resolve_neg();
   TORCH_CHECK_TYPE(is_supported_real_dtype(t.scalar_type()), op, ": dtype ", x.scalar_type(),
                    " is not supported (", kSupportedText, ")");
   return t;

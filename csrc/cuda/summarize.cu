@@ -18,8 +18,9 @@
 // and the logical strides allow. A dense permuted tensor (transposed, channels_last) then reads
 // memory linearly and takes the vector path; anything else (steps, expand, overlap) computes each
 // element's offset from the coalesced sizes/strides. first_nonfinite_index is the MIN over the
-// LOGICAL row-major indices of non-finite elements (recomputed from the walk coordinates only when
-// one is met), so it depends on neither the walk nor the reduction order.
+// LOGICAL row-major indices of non-finite elements, so it depends on neither the walk nor the
+// reduction order; for permuted walks a chunk that met a NaN/Inf re-reads itself once to compute
+// logical indices (rescan_first), keeping index arithmetic out of the hot loop.
 // summarize_many. Contiguous tensors of one dtype run as ONE scan launch whose blocks find their
 // tensor by binary search over a device table (data pointer, numel, chunk prefix, output row) that
 // is filled in pinned host memory and copied non-blocking; then one combine launch per dtype.
@@ -38,6 +39,7 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../inputs.h"
@@ -53,18 +55,21 @@ constexpr int kVecBytes = 16;       // one LDG.128 per vector
 constexpr int64_t kMinChunk = 4096, kMaxChunk = 65536, kTargetBlocks = 2048;
 constexpr int kMaxDims = 25;        // after coalescing; beyond it we fall back to a contiguous copy
 
-// Compute type V (elements are compared in it; exact for every input of that dtype) and sumsq
-// accumulator A, per the record contract: fp32 for <=32-bit floats, fp64 for fp64 and integers.
-template <typename T> struct Traits { using V = float; using A = float; static constexpr bool kFloat = true; };
-template <> struct Traits<double> { using V = double; using A = double; static constexpr bool kFloat = true; };
-#define NANSCAN_INT_TRAITS(T) \
-  template <> struct Traits<T> { using V = int64_t; using A = double; static constexpr bool kFloat = false; };
-NANSCAN_INT_TRAITS(bool)
-NANSCAN_INT_TRAITS(uint8_t)
-NANSCAN_INT_TRAITS(int8_t)
-NANSCAN_INT_TRAITS(int16_t)
-NANSCAN_INT_TRAITS(int32_t)
-NANSCAN_INT_TRAITS(int64_t)
+// Per dtype: V, the type elements are compared in (exact for every value of the dtype); S, the
+// per-thread sum of squares; A, the sumsq accumulator of the record contract (fp32 for <=32-bit
+// floats, fp64 for fp64 and integers). Integers up to 16 bits square exactly in int32 and a thread
+// sums at most a few hundred of them, so their S is an exact int64 (then converted to fp64 exactly):
+// same value as fp64 accumulation, and byte-sized inputs avoid 64-bit compares and fp64 FMAs.
+template <typename T> struct Traits { using V = float; using S = float; using A = float; static constexpr bool kFloat = true; };
+template <> struct Traits<double> { using V = double; using S = double; using A = double; static constexpr bool kFloat = true; };
+#define NANSCAN_INT_TRAITS(T, V_, S_) \
+  template <> struct Traits<T> { using V = V_; using S = S_; using A = double; static constexpr bool kFloat = false; };
+NANSCAN_INT_TRAITS(bool, int32_t, int64_t)
+NANSCAN_INT_TRAITS(uint8_t, int32_t, int64_t)
+NANSCAN_INT_TRAITS(int8_t, int32_t, int64_t)
+NANSCAN_INT_TRAITS(int16_t, int32_t, int64_t)
+NANSCAN_INT_TRAITS(int32_t, int64_t, double)
+NANSCAN_INT_TRAITS(int64_t, int64_t, double)
 #undef NANSCAN_INT_TRAITS
 
 template <typename T> __device__ __forceinline__ typename Traits<T>::V to_val(T x) {
@@ -81,44 +86,54 @@ template <> __device__ __forceinline__ float to_val(c10::Float8_e5m2 x) {
   return __half2float(__half(h));
 }
 
+template <typename T> __device__ __forceinline__ bool finite(T x) {
+  if constexpr (Traits<T>::kFloat) return isfinite(to_val(x));
+  else return true;
+}
+
 // One thread's running result. Per-thread counts fit uint32 since a chunk is <= 65536 elements.
 template <typename T> struct Acc {
   using V = typename Traits<T>::V;
+  using S = typename Traits<T>::S;
   using A = typename Traits<T>::A;
   uint32_t nan = 0, posinf = 0, neginf = 0, zero = 0;
   V mn = std::numeric_limits<V>::has_infinity ? std::numeric_limits<V>::infinity() : std::numeric_limits<V>::max();
   V mx = std::numeric_limits<V>::has_infinity ? -std::numeric_limits<V>::infinity() : std::numeric_limits<V>::lowest();
-  A ss = 0;
+  S ss = 0;
   int64_t first = kNoIndex;
 
-  // w is the walk index; logical(w) is only evaluated for the (rare) non-finite elements.
-  template <class L> __device__ __forceinline__ void add(T raw, int64_t w, const L& logical) {
+  // The caller has checked finite(raw): no branch per element on the hot path.
+  __device__ __forceinline__ void add_finite(T raw) {
     const V v = to_val(raw);
     zero += v == V(0);
     if constexpr (Traits<T>::kFloat) {
-      if (isfinite(v)) {
-        mn = fmin(mn, v);
-        mx = fmax(mx, v);
-        ss += v * v;  // squared in V: fp32 inputs overflow to inf exactly as the contract says
-      } else {
-        nan += v != v;
-        posinf += v > V(0);
-        neginf += v < V(0);
-        const int64_t l = logical(w);
-        first = l < first ? l : first;
-      }
+      mn = fmin(mn, v);
+      mx = fmax(mx, v);
+      ss += v * v;  // squared in V: an fp32 input of 1e20 gives inf, as the record contract says
     } else {
       mn = v < mn ? v : mn;
       mx = v > mx ? v : mx;
-      ss += A(v) * A(v);
+      if constexpr (std::is_integral_v<S>) ss += v * v;  // <= 2**30: exact in int32
+      else ss += S(v) * S(v);
     }
+  }
+
+  // w is the walk index: the logical index for contiguous walks; for the others it only flags the
+  // chunk for the index pass (see rescan_first).
+  __device__ __forceinline__ void add(T raw, int64_t w) {
+    if (finite(raw)) return add_finite(raw);
+    const V v = to_val(raw);
+    nan += v != v;
+    posinf += v > V(0);
+    neginf += v < V(0);
+    first = w < first ? w : first;
   }
 
   __device__ __forceinline__ Partial<A> partial() const {
     Partial<A> p;
     p.nan = nan, p.posinf = posinf, p.neginf = neginf, p.zero = zero;
     if (mn <= mx) p.min = static_cast<double>(mn), p.max = static_cast<double>(mx);  // else +-inf
-    p.sumsq = ss;
+    p.sumsq = static_cast<A>(ss);
     p.first = first;
     return p;
   }
@@ -162,9 +177,9 @@ struct Identity {
 };
 
 // Elements [begin, end) of the walk, element w at p[off(w)]; kUnroll loads issued before use.
-template <typename T, class Off, class L>
+template <typename T, class Off>
 __device__ __forceinline__ void scan_elems(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
-                                           int64_t end, const Off& off, const L& logical) {
+                                           int64_t end, const Off& off) {
   for (int64_t i = begin + threadIdx.x; i < end; i += int64_t(kBlock) * kUnroll) {
     T v[kUnroll];
 #pragma unroll
@@ -172,17 +187,26 @@ __device__ __forceinline__ void scan_elems(Acc<T>& acc, const T* __restrict__ p,
       if (i + u * kBlock < end) v[u] = p[off(i + u * kBlock)];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < end) acc.add(v[u], i + u * kBlock, logical);
+      if (i + u * kBlock < end) acc.add(v[u], i + u * kBlock);
   }
 }
 
 template <typename T> struct alignas(kVecBytes) Vec { T v[kVecBytes / sizeof(T)]; };
 
+// Explicit LDG.128 (read-only path): the multi-tensor kernel reads its pointers from a table, and
+// the compiler would otherwise emit generic-address loads for them.
+template <typename T> __device__ __forceinline__ Vec<T> load_vec(const Vec<T>* p) {
+  const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+  Vec<T> v;
+  memcpy(&v, &r, sizeof(v));
+  return v;
+}
+
 // Elements [begin, end) of linear memory p: a scalar head up to the first 16-byte boundary, vector
 // body, scalar tail. A pointer that is not even element aligned (from_blob) stays scalar.
-template <typename T, class L>
+template <typename T>
 __device__ __forceinline__ void scan_linear(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
-                                            int64_t end, const L& logical) {
+                                            int64_t end) {
   constexpr int64_t kVec = kVecBytes / sizeof(T);
   const auto addr = reinterpret_cast<uintptr_t>(p);
   int64_t vbeg = end, vend = end;
@@ -192,23 +216,31 @@ __device__ __forceinline__ void scan_linear(Acc<T>& acc, const T* __restrict__ p
     vend = (end + mis) / kVec * kVec - mis;
     if (vbeg >= vend) vbeg = vend = end;
   }
-  scan_elems(acc, p, begin, vbeg, Identity{}, logical);
+  scan_elems(acc, p, begin, vbeg, Identity{});
   const Vec<T>* __restrict__ vp = reinterpret_cast<const Vec<T>*>(p + vbeg);
   const int64_t nv = (vend - vbeg) / kVec;
   for (int64_t i = threadIdx.x; i < nv; i += int64_t(kBlock) * kUnroll) {
     Vec<T> v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < nv) v[u] = vp[i + u * kBlock];
+      if (i + u * kBlock < nv) v[u] = load_vec(vp + i + u * kBlock);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       if (i + u * kBlock < nv) {
         const int64_t w = vbeg + (i + u * kBlock) * kVec;
+        bool all = true;  // one branch per vector: NaN/Inf are rare
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc.add(v[u].v[e], w + e, logical);
+        for (int e = 0; e < kVec; ++e) all &= finite(v[u].v[e]);
+        if (all) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc.add_finite(v[u].v[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc.add(v[u].v[e], w + e);
+        }
       }
   }
-  scan_elems(acc, p, vend, end, Identity{}, logical);
+  scan_elems(acc, p, vend, end, Identity{});
 }
 
 // Coalesced walk of a non-contiguous tensor, innermost dim first.
@@ -221,7 +253,7 @@ struct Geometry {
 // Maps walk index w to sum(coord[d] * stride[d]). I = uint32_t when numel < 2**32: 32-bit division
 // is several times cheaper than 64-bit.
 template <typename I>
-__device__ __forceinline__ int64_t walk_to(const Geometry& g, int64_t w, const int64_t* stride) {
+__host__ __device__ __forceinline__ int64_t walk_to(const Geometry& g, int64_t w, const int64_t* stride) {
   I r = static_cast<I>(w);
   int64_t off = 0;
   for (int64_t d = 0; d + 1 < g.ndim; ++d) {
@@ -234,6 +266,23 @@ __device__ __forceinline__ int64_t walk_to(const Geometry& g, int64_t w, const i
 
 enum Mode { kContig, kDense, kStrided };  // memory == logical / memory == walk / neither
 
+// Index pass for a non-contiguous chunk that holds a non-finite element: the main pass only knew
+// walk indices, whose minimum need not be the minimum logical index. Re-reads the chunk once and
+// takes the minimum logical index; this keeps index arithmetic out of the hot loop, and only
+// chunks that contain NaN/Inf (the failure case) pay for it.
+template <typename T, class Off>
+__device__ __noinline__ int64_t rescan_first(const T* __restrict__ p, int64_t begin, int64_t end,
+                                             const Geometry& g, const Off& off) {
+  int64_t first = kNoIndex;
+  for (int64_t w = begin + threadIdx.x; w < end; w += kBlock) {
+    if (!finite(p[off(w)])) {
+      const int64_t l = walk_to<uint64_t>(g, w, g.lstride);
+      first = l < first ? l : first;
+    }
+  }
+  return first;
+}
+
 template <typename T, Mode M>
 __global__ void __launch_bounds__(kBlock)
     scan_one_kernel(const T* __restrict__ p, const Geometry g, int64_t chunk,
@@ -241,20 +290,25 @@ __global__ void __launch_bounds__(kBlock)
   const int64_t begin = int64_t(blockIdx.x) * chunk, end = min(begin + chunk, g.numel);
   Acc<T> acc;
   if constexpr (M == kContig) {
-    scan_linear(acc, p, begin, end, Identity{});
+    scan_linear(acc, p, begin, end);
   } else {
     // Shared copy: the dims are indexed dynamically, which kernel parameters serve poorly.
     __shared__ Geometry sg;
     for (int i = threadIdx.x; i < int(sizeof(Geometry) / 8); i += kBlock)
       reinterpret_cast<int64_t*>(&sg)[i] = reinterpret_cast<const int64_t*>(&g)[i];
     __syncthreads();
-    const auto logical = [&](int64_t w) { return walk_to<uint64_t>(sg, w, sg.lstride); };
-    if constexpr (M == kDense) {
-      scan_linear(acc, p, begin, end, logical);
-    } else if (g.numel <= int64_t(UINT32_MAX)) {
-      scan_elems(acc, p, begin, end, [&](int64_t w) { return walk_to<uint32_t>(sg, w, sg.mstride); }, logical);
-    } else {
-      scan_elems(acc, p, begin, end, [&](int64_t w) { return walk_to<uint64_t>(sg, w, sg.mstride); }, logical);
+    const auto off32 = [&](int64_t w) { return walk_to<uint32_t>(sg, w, sg.mstride); };
+    const auto off64 = [&](int64_t w) { return walk_to<uint64_t>(sg, w, sg.mstride); };
+    const bool small = g.numel <= int64_t(UINT32_MAX);
+    if constexpr (M == kDense) scan_linear(acc, p, begin, end);
+    else if (small) scan_elems(acc, p, begin, end, off32);
+    else scan_elems(acc, p, begin, end, off64);
+    if constexpr (!Traits<T>::kFloat) {
+      // integers are finite: no index pass
+    } else if (__syncthreads_or(acc.first != kNoIndex)) {  // block-uniform
+      if constexpr (M == kDense) acc.first = rescan_first(p, begin, end, sg, Identity{});
+      else if (small) acc.first = rescan_first(p, begin, end, sg, off32);
+      else acc.first = rescan_first(p, begin, end, sg, off64);
     }
   }
   const auto r = block_merge(acc.partial());
@@ -277,7 +331,7 @@ __global__ void __launch_bounds__(kBlock)
   const T* p = reinterpret_cast<const T*>(meta[lo]);
   const int64_t begin = (b - prefix[lo]) * chunk, end = min(begin + chunk, meta[n + lo]);
   Acc<T> acc;
-  scan_linear(acc, p, begin, end, Identity{});
+  scan_linear(acc, p, begin, end);
   const auto r = block_merge(acc.partial());
   if (threadIdx.x == 0) ws[b] = r;
 }

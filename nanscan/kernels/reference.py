@@ -57,7 +57,8 @@ def normalize_input(x: torch.Tensor, op: str = "nanscan.summarize") -> torch.Ten
     if x.layout != torch.strided:
         raise TypeError(f"{op}: layout {x.layout} is not supported ({SUPPORTED_TEXT}); "
                         "convert with .to_dense()")
-    real = torch.view_as_real(x) if x.is_complex() else x
+    # A lazily conjugated / negated view (x.conj()) has no real view: materialize it (a copy, only then).
+    real = torch.view_as_real(x.resolve_conj().resolve_neg()) if x.is_complex() else x.resolve_neg()
     if real.dtype not in _SUPPORTED_REAL:
         raise TypeError(f"{op}: dtype {x.dtype} is not supported ({SUPPORTED_TEXT})")
     return real

@@ -37,11 +37,13 @@ Known limitations:
 * On CUDA, ``summarize_many`` is a multi-tensor launch: tensors are grouped by (element kind,
   16-byte alignment); each group is ONE stage-1 launch over a pointer table (int64 data pointers
   in a device tensor, one entry per chunk naming its tensor), followed by ONE stage-2 launch for
-  all tensors: ``groups + 1`` launches plus one host-to-device copy of the tables, and no host
-  sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
-  the "device" pointers are CPU addresses).
+  all tensors: ``groups + 1`` launches plus one (pinned, asynchronous) host-to-device copy of
+  the tables, and no host sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
+  the "device" pointers are CPU addresses). During CUDA graph capture (where the pageable table
+  copy is not allowed) ``summarize_many`` falls back to two launches per tensor.
+* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _TARGET_PROGRAMS, _MAX_ITERS) were chosen
+  from register counts of the compiled kernels, not tuned by measurement; see benchmarks/.
 """
-from __future__ import annotations
 
 import contextlib
 import os
@@ -96,13 +98,11 @@ for _name, _kind in (("float8_e4m3fn", _KIND_E4M3FN), ("float8_e5m2", _KIND_E5M2
 # loads) with 4 warps; chunks grow to up to _MAX_ITERS tiles so that very large tensors produce a
 # few thousand partials (stage 2 reads them with one program per tensor) while mid-sized tensors
 # still spread over >= _TARGET_PROGRAMS programs. Untuned on hardware: see the benchmarks.
-_BLOCK_BY_ITEMSIZE = {8: 512, 4: 1024, 2: 2048, 1: 2048}
+_BLOCK_BY_ITEMSIZE = {8: 512, 4: 1024, 2: 1024, 1: 1024}
 _NUM_WARPS = 4
 _TARGET_PROGRAMS = 2048
-_MAX_ITERS = 128
-_STAGE2_BLOCK = 1024
-_BIG32 = 2**31 - 1
-_BIG64 = 2**63 - 1
+_MAX_ITERS = 64  # <= 127: the packed per-lane counters have 7-8 bits per field
+_STAGE2_BLOCK = 256
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,8 +111,10 @@ _BIG64 = 2**63 - 1
 
 
 @triton.jit
-def _as_ptr(raw, CODE: tl.constexpr):
-    """int64 address -> typed pointer (element type chosen by CODE, see _PTR_CODE)."""
+def _as_ptr(raw, CODE: tl.constexpr, ALIGNED: tl.constexpr):
+    """int64 address -> typed pointer (element type chosen by CODE, see _PTR_CODE). ALIGNED: the
+    launcher checked address % 16 == 0; the hint lets full tiles use 128-bit loads. (It must be set
+    here, on the cast itself: a hint on the value returned by a jit function is lost at inlining.)"""
     if CODE == 0:
         p = raw.to(tl.pointer_type(tl.float64))
     elif CODE == 1:
@@ -131,6 +133,8 @@ def _as_ptr(raw, CODE: tl.constexpr):
         p = raw.to(tl.pointer_type(tl.int32))
     else:
         p = raw.to(tl.pointer_type(tl.int64))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
     return p
 
 
@@ -175,9 +179,13 @@ def _decode_fp8(raw, KIND: tl.constexpr):
 
 
 @triton.jit
-def _tile(p, loc, rem, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst,
+def _tile(p, loc, rem, counts, vmin, vmax, vss, vfirst,
           KIND: tl.constexpr, ACC64: tl.constexpr, MASKED: tl.constexpr):
-    """Fold one tile (elements p[loc], loc < rem when MASKED) into the per-lane accumulators."""
+    """Fold one tile (elements p[loc], loc < rem when MASKED) into the per-lane accumulators.
+
+    counts packs four per-lane counters into one int32 (bits 0-7 NaN, 8-15 +inf, 16-23 -inf,
+    24-30 zero); each lane sees at most `iters` <= 127 elements per chunk, so no field overflows.
+    vfirst is the smallest chunk-local index of a non-finite element per lane (2**31 - 1: none)."""
     if MASKED:
         m = loc < rem
         raw = tl.load(p + loc, mask=m, other=0)
@@ -195,8 +203,8 @@ def _tile(p, loc, rem, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst,
     iszero = v == 0
     if MASKED:
         iszero = iszero & m
-    c_zero += iszero.to(tl.int32)
     if KIND == 1:  # integers are finite: no NaN / inf bookkeeping
+        counts += iszero.to(tl.int32) << 24
         if MASKED:
             vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
             vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
@@ -216,11 +224,10 @@ def _tile(p, loc, rem, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst,
         vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
         vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
         vss += tl.where(nonfinite, 0.0, v * v)  # masked lanes hold 0
-        c_nan += isnan.to(tl.int32)
-        c_pinf += ispinf.to(tl.int32)
-        c_ninf += isninf.to(tl.int32)
+        counts += (isnan.to(tl.int32) | (ispinf.to(tl.int32) << 8) | (isninf.to(tl.int32) << 16)
+                   | (iszero.to(tl.int32) << 24))
         vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
-    return c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst
+    return counts, vmin, vmax, vss, vfirst
 
 
 @triton.jit(do_not_specialize=["numel", "iters", "chunk_offset", "total"])
@@ -242,9 +249,7 @@ def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_t
     if MULTI:
         gid = chunk_offset + pid
         t = tl.load(ctensor_tab + gid)
-        p0 = _as_ptr(tl.load(ptr_tab + t), CODE)
-        if ALIGNED:  # the launcher checked data_ptr % 16 == 0: lets full tiles use 128-bit loads
-            p0 = tl.multiple_of(p0, 16)
+        p0 = _as_ptr(tl.load(ptr_tab + t), CODE, ALIGNED)
         n = tl.load(numel_tab + t)
         start = (gid - tl.load(cbase_tab + t)) * chunk
     else:
@@ -258,10 +263,7 @@ def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_t
     n_tiles = ((rem + BLOCK - 1) // BLOCK).to(tl.int32)
     rem32 = rem.to(tl.int32)
 
-    c_nan = tl.zeros([BLOCK], tl.int32)
-    c_pinf = tl.zeros([BLOCK], tl.int32)
-    c_ninf = tl.zeros([BLOCK], tl.int32)
-    c_zero = tl.zeros([BLOCK], tl.int32)
+    counts = tl.zeros([BLOCK], tl.int32)
     vfirst = tl.full([BLOCK], 2147483647, tl.int32)
     if ACC64:
         vmin = tl.full([BLOCK], float("inf"), tl.float64)
@@ -274,19 +276,19 @@ def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_t
 
     for i in range(0, n_full):
         loc = i * BLOCK + tl.arange(0, BLOCK)
-        c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst = _tile(
-            p, loc, rem32, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst, KIND, ACC64, False)
+        counts, vmin, vmax, vss, vfirst = _tile(p, loc, rem32, counts, vmin, vmax, vss, vfirst,
+                                                KIND, ACC64, False)
     for i in range(n_full, n_tiles):  # at most one partial tail tile
         loc = i * BLOCK + tl.arange(0, BLOCK)
-        c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst = _tile(
-            p, loc, rem32, c_nan, c_pinf, c_ninf, c_zero, vmin, vmax, vss, vfirst, KIND, ACC64, True)
+        counts, vmin, vmax, vss, vfirst = _tile(p, loc, rem32, counts, vmin, vmax, vss, vfirst,
+                                                KIND, ACC64, True)
 
     f = tl.min(vfirst, axis=0)
     first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
-    tl.store(part_i + gid, tl.sum(c_nan, axis=0).to(tl.int64))
-    tl.store(part_i + total + gid, tl.sum(c_pinf, axis=0).to(tl.int64))
-    tl.store(part_i + 2 * total + gid, tl.sum(c_ninf, axis=0).to(tl.int64))
-    tl.store(part_i + 3 * total + gid, tl.sum(c_zero, axis=0).to(tl.int64))
+    tl.store(part_i + gid, tl.sum(counts & 255, axis=0).to(tl.int64))
+    tl.store(part_i + total + gid, tl.sum((counts >> 8) & 255, axis=0).to(tl.int64))
+    tl.store(part_i + 2 * total + gid, tl.sum((counts >> 16) & 255, axis=0).to(tl.int64))
+    tl.store(part_i + 3 * total + gid, tl.sum(counts >> 24, axis=0).to(tl.int64))
     tl.store(part_i + 4 * total + gid, first)
     tl.store(part_f + gid, tl.min(vmin, axis=0).to(tl.float64))
     tl.store(part_f + total + gid, tl.max(vmax, axis=0).to(tl.float64))
@@ -352,22 +354,24 @@ def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, cbase_tab, nch_ta
 def _prepare(x: torch.Tensor, op: str):
     """Validate x and return (flat contiguous tensor the kernel reads, kind, acc64).
 
-    Raises TypeError (naming the dtype / layout and the supported set) like csrc/inputs.h."""
+    Raises TypeError (naming the dtype / layout and the supported set) like csrc/inputs.h, and
+    ValueError for a CPU tensor outside the interpreter."""
+    if isinstance(x, torch.Tensor) and not x.is_nested and x.layout == torch.strided and x.is_complex():
+        x = x.detach().resolve_conj()  # view_as_real refuses a lazily conjugated tensor
     real = normalize_input(x, op)  # TypeError for nested / quantized / sparse / bad dtype
     info = _DTYPE_INFO.get(real.dtype)
     if info is None:  # normalize_input and _DTYPE_INFO disagree: still a clean TypeError
         raise TypeError(f"{op}: dtype {x.dtype} is not supported ({SUPPORTED_TEXT})")
     kind, acc64, view_as = info
-    if x.is_complex():
-        real = torch.view_as_real(x.detach().resolve_conj())
+    if real.device.type == "cpu" and not INTERPRETING:
+        raise ValueError(f"{op}: the triton backend runs on CUDA tensors, or on CPU tensors only under "
+                         "TRITON_INTERPRET=1 (set before triton is imported); got a CPU tensor")
+    # resolve_neg: a negative-bit view (e.g. x.conj().imag) stores the negated values
     t = real.detach().resolve_neg().contiguous().reshape(-1)
     if view_as is not None:
         t = t.view(view_as)
     if INTERPRETING and t.dtype in (torch.float16, torch.bfloat16):
         t = t.float()  # the interpreter has no bf16 arithmetic; fp32 is the compute type anyway
-    if t.device.type == "cpu" and not INTERPRETING:
-        raise ValueError(f"{op}: the triton backend runs on CUDA tensors, or on CPU tensors only under "
-                         "TRITON_INTERPRET=1 (set before triton is imported); got a CPU tensor")
     return t, kind, acc64
 
 
@@ -377,8 +381,8 @@ def _device_guard(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _identity(device: torch.device) -> torch.Tensor:
-    return torch.tensor(_IDENTITY, dtype=torch.float64).to(device, non_blocking=True)
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _iters_for(nblocks: int) -> int:
@@ -388,11 +392,20 @@ def _iters_for(nblocks: int) -> int:
 def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
     """Write the record of the flat contiguous tensor t into out ([8] float64, t.device)."""
     n = t.numel()
-    if n == 0:
-        out.copy_(torch.tensor(_IDENTITY, dtype=torch.float64), non_blocking=True)
+    if n == 0:  # the identity record: no kernel, one small host-to-device copy
+        if not _capturing(out.device):
+            return out.copy_(torch.tensor(_IDENTITY, dtype=torch.float64), non_blocking=True)
+        # under CUDA graph capture a pageable copy is not allowed: stage 2 over zero partials
+        # writes the same identity record
+        dummy_i = torch.empty(1, dtype=torch.int64, device=t.device)
+        dummy_f = torch.empty(1, dtype=torch.float64, device=t.device)
+        with _device_guard(t.device):
+            _stage2_kernel[(1,)](dummy_i, dummy_f, 1, out, 0, int(acc64), dummy_i, dummy_i, dummy_i,
+                                 MULTI=False, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
         return out
     block = block or _BLOCK_BY_ITEMSIZE[t.element_size()]
     iters = iters or _iters_for(triton.cdiv(n, block))
+    assert 1 <= iters <= 127, iters  # the packed per-lane counters hold 127 per field
     nchunks = triton.cdiv(n, block * iters)
     part_i = torch.empty(5 * nchunks, dtype=torch.int64, device=t.device)
     part_f = torch.empty(3 * nchunks, dtype=torch.float64, device=t.device)
@@ -433,13 +446,14 @@ def summarize_many(xs: list) -> torch.Tensor:
 
     On CUDA this is the pointer-table path (``_summarize_many_table``): one stage-1 launch per
     (element kind, alignment) group and one stage-2 launch for all tensors, no host sync. Under
-    ``TRITON_INTERPRET=1`` it is a Python loop over :func:`summarize`. An empty list gives a
-    ``[0, 8]`` CPU tensor."""
+    ``TRITON_INTERPRET=1``, and during CUDA graph capture (the table is built on the host and
+    copied from pageable memory, which capture forbids), it is a Python loop of two launches per
+    tensor writing rows of the output. An empty list gives a ``[0, 8]`` CPU tensor."""
     op = "nanscan.triton_summarize_many"
     xs = _check_list(xs, op)
     if not xs:
         return torch.empty((0, RECORD_SIZE), dtype=torch.float64)
-    if INTERPRETING or xs[0].device.type != "cuda":
+    if INTERPRETING or xs[0].device.type != "cuda" or _capturing(xs[0].device):
         prepared = [_prepare(x, op) for x in xs]  # validate everything before launching anything
         out = torch.empty((len(xs), RECORD_SIZE), dtype=torch.float64, device=prepared[0][0].device)
         for row, (t, kind, acc64) in zip(out, prepared):
@@ -480,6 +494,7 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
         t0 = prepared[idxs[0]][0]
         block = _block or _BLOCK_BY_ITEMSIZE[t0.element_size()]
         iters = _iters or _iters_for(sum(triton.cdiv(prepared[i][0].numel(), block) for i in idxs))
+        assert 1 <= iters <= 127, iters
         chunk = block * iters
         start = total
         for i in idxs:
@@ -495,7 +510,11 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     owner = torch.repeat_interleave(torch.tensor(order, dtype=torch.int64),
                                     torch.tensor([nch[i] for i in order], dtype=torch.int64))
     meta_host = torch.cat([torch.tensor(ptrs + numels + cbase + nch + acc, dtype=torch.int64), owner])
-    meta = meta_host.to(device, non_blocking=True)  # pageable source: staged at once, no device sync
+    if device.type == "cuda":
+        # pinned, so the copy is truly asynchronous (no wait on the stream); the caching host
+        # allocator keeps the pinned block until the copy has completed
+        meta_host = meta_host.pin_memory()
+    meta = meta_host.to(device, non_blocking=True)
     ptr_tab, numel_tab, cbase_tab, nch_tab, acc_tab = (meta[k * n:(k + 1) * n] for k in range(5))
     ctensor_tab = meta[5 * n:]
 
