@@ -10,11 +10,9 @@
 // sum of squares included -- is bitwise identical for any number of threads. Extra memory is one
 // Partial per chunk, O(numel / kChunk).
 //
-// Contiguous fp64 / fp32 / fp16 / bf16 chunks take a vectorized path (at::vec): finite lanes are
-// selected with a mask (|v| < inf is false for NaN and ±Inf), min / max / sum of squares / zero
-// count are accumulated over them, and the non-finite lanes are only *counted* by their complement.
-// Non-finite values are the rare case, so a chunk whose finite count is short of its length is
-// rescanned with the scalar path to classify NaN / +Inf / -Inf and find the first index. Everything
+// Contiguous fp64 / fp32 / fp16 / bf16 chunks take a vectorized path (at::vec) that assumes the
+// chunk is clean and proves it afterwards (see VecState); a chunk holding a NaN / Inf is rescanned
+// by the scalar path, which classifies NaN / +Inf / -Inf and finds the first index. Everything
 // else (strided layouts, float8, integers, bool) uses the scalar path, which walks logical row-major
 // indices so first_nonfinite_index is logical for any strides (transposed, expanded, channels_last).
 #include <ATen/Parallel.h>
@@ -155,47 +153,61 @@ void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_
   }
 }
 
-// Vectorized fast path, written for the common case of a chunk with no non-finite element:
-//   probe = fma(v, 0, probe) stays 0 while every v is finite and turns NaN at the first NaN/±Inf
-//   (inf * 0 = NaN), so detecting non-finite values costs one FMA per vector;
-//   min / max / sum of squares / zero count then run over raw lanes, with no masking.
-// A chunk whose probe is not 0 is rescanned by the scalar path, which classifies every element
-// (non-finite chunks are the rare case; at worst, all NaN, a chunk is read twice).
-// Lane counters are float / double: exact, since a lane sees at most kChunk / 8 elements.
+// A comparison mask (all-one bits in true lanes) reinterpreted as integers, i.e. -1 where true.
+// at::vec's generic cast goes through memory; on AVX2 this is a free register bitcast.
+template <typename acc_t>
+inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at::vec::Vectorized<acc_t>& m) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return _mm256_castps_si256(m);
+  } else {
+    return _mm256_castpd_si256(m);
+  }
+#else
+  return at::vec::cast<at::vec::int_same_size_t<acc_t>>(m);
+#endif
+}
+
+// Vectorized fast path, written for the common case of a chunk with no NaN, no Inf and no
+// overflowing square: min / max / sum of squares / zero count run over raw lanes with no masking,
+// five instructions per vector. A NaN or ±Inf input makes its lane's sum of squares NaN or +inf,
+// so "every lane's sumsq is finite" proves the chunk clean; otherwise (a non-finite input, or
+// finite squares that overflowed FP32) the chunk is rescanned by the scalar path, which classifies
+// every element. Those are the rare cases; at worst (all NaN) a chunk is read twice.
 template <typename acc_t>
 struct VecState {
   using Vec = at::vec::Vectorized<acc_t>;
+  using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
   Vec vmin = Vec(std::numeric_limits<acc_t>::infinity());
   Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
   Vec sumsq = Vec(acc_t(0));
-  Vec zeros = Vec(acc_t(0));
-  Vec probe = Vec(acc_t(0));
+  IVec neg_zeros = IVec(0);  // minus the zero count: each true lane of (v == 0) adds -1
 
   inline void add(const Vec& v) {
-    probe = at::vec::fmadd(v, Vec(acc_t(0)), probe);
-    vmin = at::vec::clamp_max(vmin, v);  // min(vmin, v); NaN lanes are handled by the rescan
+    vmin = at::vec::clamp_max(vmin, v);  // min(vmin, v); NaN lanes only matter on the rescan
     vmax = at::vec::clamp_min(vmax, v);
     sumsq = at::vec::fmadd(v, v, sumsq);
-    zeros = zeros + ((v == Vec(acc_t(0))) & Vec(acc_t(1)));
+    neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
   }
 
-  // Horizontal reduction of several states in a fixed order; false if any lane saw a non-finite value.
+  // Horizontal reduction of several states in a fixed order; false if any lane's sum of squares is
+  // not finite (a non-finite input or an overflow: the caller rescans).
   template <size_t N>
   static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
-    acc_t lmin[n], lmax[n], lsq[n], lzero[n], lprobe[n];
+    acc_t lmin[n], lmax[n], lsq[n];
+    at::vec::int_same_size_t<acc_t> lzero[n];
     for (const VecState& s : states) {
       s.vmin.store(lmin);
       s.vmax.store(lmax);
       s.sumsq.store(lsq);
-      s.zeros.store(lzero);
-      s.probe.store(lprobe);
+      s.neg_zeros.store(lzero);
       for (int i = 0; i < n; ++i) {
-        if (lprobe[i] != 0) return false;
+        if (!std::isfinite(lsq[i])) return false;
         p.min = std::min(p.min, static_cast<double>(lmin[i]));
         p.max = std::max(p.max, static_cast<double>(lmax[i]));
         p.sumsq += lsq[i];
-        p.zero += static_cast<int64_t>(lzero[i]);
+        p.zero -= static_cast<int64_t>(lzero[i]);
       }
     }
     return true;
@@ -215,7 +227,18 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     const int64_t vec_end = begin + (end - begin) / kStep * kStep;
     for (int64_t i = begin; i < vec_end; i += kStep) {
       for (int64_t u = 0; u < kUnroll; ++u) {
-        const In v = In::loadu(data + i + u * In::size());
+        const scalar_t* src = data + i + u * In::size();
+#if defined(CPU_CAPABILITY_AVX2)
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
+          // instructions. The lanes come out permuted, which no field depends on.
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          states[u].add(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
+          states[u].add(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+          continue;
+        }
+#endif
+        const In v = In::loadu(src);
         if constexpr (std::is_same_v<scalar_t, acc_t>) {
           states[u].add(v);
         } else {
@@ -229,7 +252,7 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     if (VecState<acc_t>::flush(states, vec_part)) {
       p.merge(vec_part);
     } else {
-      scan_scalar<scalar_t>(begin, vec_end, p, load);  // the chunk holds a NaN or ±Inf
+      scan_scalar<scalar_t>(begin, vec_end, p, load);  // a NaN, an Inf, or an FP32 overflow
     }
     scan_scalar<scalar_t>(vec_end, end, p, load);
   } else {
