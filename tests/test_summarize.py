@@ -194,3 +194,14 @@ def test_records_are_device_tensors_without_host_sync():
     assert rec.dtype == torch.float64 and rec.shape == (nanscan.RECORD_SIZE,) and rec.device == x.device
     meta = nanscan.record(torch.empty(10, device="meta"))  # the fake kernel: shape propagation only
     assert meta.device.type == "meta" and meta.shape == (nanscan.RECORD_SIZE,)
+
+
+def test_readme_example():
+    s = nanscan.summarize(torch.tensor([1.0, float("nan"), 1e20]))
+    assert (s.nan_count, s.first_nonfinite_index, s.sumsq_overflowed) == (1, 1, True)
+    json.dumps(s.to_dict(), allow_nan=False)
+    model = torch.nn.Linear(3, 2)
+    summaries = nanscan.summarize_many(list(model.parameters()))
+    assert [x.shape for x in summaries] == [(2, 3), (2,)] and all(x.is_finite for x in summaries)
+    assert nanscan.records([torch.ones(2), torch.ones(3)]).shape == (2, 8)
+    assert nanscan.available_backends()[-1] == "reference"
