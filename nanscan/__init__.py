@@ -6,18 +6,21 @@ Public API::
     nanscan.summarize_many(xs, backend=None) -> list[TensorSummary]
     nanscan.record(x) / nanscan.records(xs) -> device float64 records (no host sync)
     nanscan.available_backends() -> e.g. ["cpu", "cuda", "triton", "reference"]
+    nanscan.watch(model, optimizer, scaler, ...) -> Monitor     # always-on NaN/Inf localization
 
 The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C++ CPU and CUDA) and
 ``torch.ops.nanscan.triton_summarize`` / ``triton_summarize_many``; all have fake kernels and stay
 inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wide.
 """
 from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
+from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, watch
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records, summarize, summarize_many
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "ExtensionError", "Field", "RECORD_SIZE", "TensorSummary", "available_backends",
-    "build_info", "record", "records", "summarize", "summarize_many",
+    "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
+    "TensorSummary", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",
+    "watch",
 ]
