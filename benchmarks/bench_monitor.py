@@ -1,0 +1,48 @@
+"""A training step of a small GPT (4 layers, d=256, seq 128, batch 8) with and without
+nanscan.watch (activations + grads + params, every step), eager; ratio = overhead."""
+import pytest
+import torch
+from torch.nn import functional as F
+
+import nanscan
+from benchmarks.models import GPT
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GROUP = "train step gpt 4x256 (eager)"
+
+
+def make():
+    torch.manual_seed(0)
+    model = GPT().to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, 1024, (8, 128), device=DEVICE)
+    return model, opt, idx
+
+
+def step(model, opt, idx, mon=None):
+    logits = model(idx)
+    loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    if mon is not None:
+        mon.check_loss(loss)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
+def test_step_without_watch(run_bench):
+    model, opt, idx = make()
+    run_bench(lambda: step(model, opt, idx), GROUP, "train step", baseline=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_step_with_watch(run_bench, mode):
+    model, opt, idx = make()
+    mon = nanscan.watch(model, opt, mode=mode)
+
+    def watched():
+        with mon.step():
+            return step(model, opt, idx, mon)
+
+    with mon:
+        run_bench(watched, GROUP, f"train step + watch({mode})")
