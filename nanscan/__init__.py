@@ -13,7 +13,7 @@ The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C+
 inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wide.
 """
 from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
-from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, watch
+from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, all_reduce_records, watch
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records, summarize, summarize_many
 
@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
-    "TensorSummary", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",
+    "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",
     "watch",
 ]

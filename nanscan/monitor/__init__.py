@@ -1,7 +1,8 @@
 """Always-on monitoring: :func:`watch` a model, get an :class:`Incident` naming the first module,
 phase and step where values went non-finite, and a :class:`Ledger` of AMP updates."""
+from nanscan.monitor.distributed import all_reduce_records
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.monitor import Monitor, watch
 
-__all__ = ["Incident", "Ledger", "Monitor", "NonFiniteError", "watch"]
+__all__ = ["all_reduce_records", "Incident", "Ledger", "Monitor", "NonFiniteError", "watch"]

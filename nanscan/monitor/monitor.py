@@ -34,6 +34,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from nanscan.monitor import distributed
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
@@ -387,11 +388,11 @@ class Monitor:
         return rows, event, slots, len(extras), handled, self.step_index
 
     def _decode(self, rows, event, slots, n_extras, handled, step, raise_incident=True) -> None:
-        if rows is None:
-            return
         if event is not None:
             event.synchronize()  # recorded a step ago: normally long done
-        values = rows.tolist()  # the one host copy (sync mode); a host-memory read (async)
+        # rows is None when nothing was recorded; under torch.distributed the agreement below is
+        # a collective, so every rank must still reach it.
+        values = rows.tolist() if rows is not None else []  # the one host copy per step (sync mode)
         if n_extras:
             self.ledger.scale_history.append((step, values[len(slots)][0]))
         nonfinite = [v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT] > 0 for v in values]
@@ -402,15 +403,17 @@ class Monitor:
             first_by_phase[(s.step, s.phase)] = self._incident(s, values[i], slots, nonfinite, handled and s.step == step)
         found = sorted(first_by_phase.values(), key=lambda inc: (inc.step, _PHASE_ORDER[inc.phase]))
         self.incidents.extend(found)
-        if not found:
-            return
-        first = found[0]
-        if first.handled_by_scaler or self.on_nonfinite == "record":
+        report = found[0] if found and not found[0].handled_by_scaler else None
+        if distributed.active():  # every rank reports the same incident in the same step
+            report = distributed.agree(report)
+            if report is not None and report.rank != self.rank:
+                self.incidents.append(report)
+        if report is None or self.on_nonfinite == "record":
             return
         if self.on_nonfinite == "warn" or not raise_incident:
-            warnings.warn(str(first), RuntimeWarning, stacklevel=3)
+            warnings.warn(str(report), RuntimeWarning, stacklevel=3)
             return
-        raise NonFiniteError(first)
+        raise NonFiniteError(report)
 
     def _allowed(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.allow)

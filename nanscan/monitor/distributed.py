@@ -1,0 +1,70 @@
+"""torch.distributed support: every rank learns of an incident in the same step, and records can
+be combined across ranks.
+
+"First rank" means the rank whose incident has the smallest (step, phase) -- ranks run the same
+steps, so that is the one that went non-finite first in training order; ties go to the lowest rank
+(ranks are not clocks: nanscan does not compare wall times across machines).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nanscan.record import Field
+
+PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "update": 3}
+
+
+def active() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
+def _device() -> torch.device:
+    # NCCL only moves CUDA tensors; gloo / mpi take CPU tensors.
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree(local):
+    """Collective: every rank passes its own first incident to raise (or None) and gets back the
+    one every rank will report: the first in (step, phase, rank) order, or None. One tiny
+    all_gather per call; the incident itself is broadcast (pickled) only when there is one."""
+    dist = torch.distributed
+    mine = torch.tensor([0.0, 0.0, 0.0] if local is None else [1.0, float(local.step), float(PHASE_ORDER[local.phase])],
+                        dtype=torch.float64, device=_device())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    rows = torch.stack(gathered).tolist()  # host copy: once per checked step, like the records
+    flagged = [(r[1], r[2], rank) for rank, r in enumerate(rows) if r[0]]
+    if not flagged:
+        return None
+    src = min(flagged)[2]
+    box = [local if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_records(rows: torch.Tensor) -> torch.Tensor:
+    """Combine ``[n, 8]`` records of the same n tensors' shards across ranks, in one collective
+    (an all_gather; the combination is local): counts and sums of squares add, finite min / max
+    take the min / max. first_nonfinite_index comes from the lowest rank that has a non-finite
+    element -- the first one in the concatenation of shards in rank order -- and is an index into
+    that rank's shard. Returns ``(combined [n, 8], rank_of_first [n] int64, -1 where none)``."""
+    dist = torch.distributed
+    gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, rows.contiguous())
+    stacked = torch.stack(gathered)  # [world, n, 8]
+    out = stacked.sum(dim=0)
+    out[:, Field.FINITE_MIN] = stacked[:, :, Field.FINITE_MIN].amin(dim=0)
+    out[:, Field.FINITE_MAX] = stacked[:, :, Field.FINITE_MAX].amax(dim=0)
+    first = stacked[:, :, Field.FIRST_NONFINITE]  # [world, n]
+    has = first >= 0
+    world = torch.arange(first.shape[0], device=first.device).unsqueeze(1).expand_as(first)
+    rank_of_first = torch.where(has, world, first.shape[0]).amin(dim=0)
+    found = rank_of_first < first.shape[0]
+    index = first.gather(0, rank_of_first.clamp(max=first.shape[0] - 1).unsqueeze(0)).squeeze(0)
+    out[:, Field.FIRST_NONFINITE] = torch.where(found, index, -1.0)
+    return out, torch.where(found, rank_of_first, -1)
