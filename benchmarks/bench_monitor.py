@@ -46,3 +46,34 @@ def test_step_with_watch(run_bench, mode):
 
     with mon:
         run_bench(watched, GROUP, f"train step + watch({mode})")
+
+
+GROUP_COMPILED = "train step gpt 4x256 (compiled)"
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """Two identical models: one compiled bare, one watched and then compiled (same inductor)."""
+    torch._dynamo.reset()
+    bare, bare_opt, idx = make()
+    watched, watched_opt, _ = make()
+    mon = nanscan.watch(watched, watched_opt)
+    yield (torch.compile(bare), bare_opt, idx), (torch.compile(watched), watched_opt, mon)
+    mon.close()
+
+
+def test_compiled_step_without_watch(run_bench, compiled_pair):
+    (model, opt, idx), _ = compiled_pair
+    step(model, opt, idx)  # compile outside the timing
+    run_bench(lambda: step(model, opt, idx), GROUP_COMPILED, "compiled train step", baseline=True)
+
+
+def test_compiled_step_with_watch(run_bench, compiled_pair):
+    (_, _, idx), (model, opt, mon) = compiled_pair
+
+    def watched():
+        with mon.step():
+            return step(model, opt, idx, mon)
+
+    watched()  # compile outside the timing
+    run_bench(watched, GROUP_COMPILED, "compiled train step + watch(sync)")

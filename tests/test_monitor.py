@@ -303,3 +303,26 @@ def test_incident_to_dict_is_strict_json():
         train(model, mon, 1, lambda i: torch.randn(4, 8), opt)
     text = json.dumps([i.to_dict() for i in mon.incidents] + [mon.ledger.to_dict()], allow_nan=False)
     assert '"phase": "forward"' in text
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_model_localizes_with_zero_graph_breaks(backend):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model, opt, mon = setup()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)  # fullgraph: a break would raise
+
+    def batch(i):
+        model.block.fault = i == 2
+        return torch.randn(4, 8)
+
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        train(compiled, mon, 4, batch, opt)
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (2, "forward", "block", "activation", True)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+    model2, opt2, mon2 = setup()
+    compiled2 = torch.compile(model2, fullgraph=True, backend=backend)
+    with pytest.raises(nanscan.NonFiniteError) as err2, mon2:
+        train(compiled2, mon2, 2, lambda i: torch.full((4, 8), float("nan")) if i else torch.randn(4, 8), opt2)
+    assert (err2.value.incident.step, err2.value.incident.name, err2.value.incident.produced) == (1, "embed", False)

@@ -58,6 +58,21 @@ def _tensors(value: Any, prefix: str):
             yield from _tensors(v, f"{prefix}.{k}")
 
 
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    for _, t in _tensors(value, ""):
+        return t
+    return None
+
+
+# Columns of the traced buffer (used inside torch.compile graphs): the record, the execution
+# sequence number (0 = not written this step), numel, and a dtype code.
+_SEQ, _NUMEL, _DTYPE = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2
+_TRACED_COLS = RECORD_SIZE + 3
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128] + [
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
 class _Slot:
     """One pending record: what was summarized, when, and what it depends on."""
 
@@ -92,6 +107,15 @@ class Monitor:
         self._module_names = {m: (n or ROOT) for n, m in model.named_modules()}
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_module = {id(p): (n.rpartition(".")[0] or ROOT) for n, p in self._params}
+        # torch.compile path: each module owns two static rows (input, output) of a device buffer
+        # that traced hooks write into; a device counter stamps the execution order.
+        self._row_of = {name: (2 * i, 2 * i + 1) for i, name in enumerate(self._module_names.values())}
+        self._row_info = {}
+        for name, (r_in, r_out) in self._row_of.items():
+            self._row_info[r_in] = (f"{name}.input", False, None)
+            self._row_info[r_out] = (name, True, r_in)
+        self._traced: Optional[torch.Tensor] = None
+        self._seq: Optional[torch.Tensor] = None
         self._handles: list = []
         self._pending: list = []  # slots not yet read
         self._in_flight = None  # async: (host rows, event, slots, extras) awaiting decode
@@ -167,6 +191,9 @@ class Monitor:
         def pre_hook(module, args, kwargs):
             if not self._active:
                 return None
+            if torch.compiler.is_compiling():
+                self._traced_write(self._row_of[name][0], _first_tensor((args, kwargs)))
+                return None
             inputs = []
             for label, t in list(_tensors(args, "input")) + list(_tensors(kwargs, "input")):
                 index = self._lookup(t)
@@ -183,6 +210,9 @@ class Monitor:
         def post_hook(module, args, kwargs, output):
             if not self._active:
                 return None
+            if torch.compiler.is_compiling():
+                self._traced_write(self._row_of[name][1], _first_tensor(output))
+                return None
             inputs = self._inputs_of.pop(module, [])
             self._forward_inputs_of[name] = inputs
             outs = []
@@ -198,6 +228,21 @@ class Monitor:
             return None
 
         return post_hook
+
+    def _traced_write(self, row: int, t: Optional[torch.Tensor]) -> None:
+        """Inside a torch.compile graph: only tensor ops (no Python bookkeeping), so the hook is
+        traced into the graph with no break. The record lands in a static row with its execution
+        sequence number; the host decodes the rows with the step's single copy. Only the first
+        floating tensor of a module's inputs / outputs is checked on this path, and its shape is
+        reported flattened."""
+        if t is None or self._traced is None:
+            return
+        row_view = self._traced[row]
+        row_view[:RECORD_SIZE].copy_(record(t.detach(), backend=self.backend))
+        self._seq.add_(1)
+        row_view[_SEQ:_SEQ + 1].copy_(self._seq)
+        row_view[_NUMEL] = t.numel()
+        row_view[_DTYPE] = _DTYPE_CODE.get(t.dtype, 0)
 
     def _make_out_grad_hook(self, module_name, tensor_name):
         def out_grad_hook(grad):
@@ -268,6 +313,7 @@ class Monitor:
         self._active = self.step_index % self.every == 0
         self._read_this_step = self._applied_this_step = self._grads_this_step = False
         self._known.clear()
+        self._reset_traced()
         self._inputs_of = {}
         self._forward_inputs_of.clear()
         self._outputs_of.clear()
@@ -285,6 +331,16 @@ class Monitor:
             raise
         else:
             self._end_step(raise_incident=True)
+
+    def _reset_traced(self) -> None:
+        """(Re)allocate the traced buffer on the model's device and mark every row unwritten."""
+        device = next(iter(self.model.parameters())).device
+        if self._traced is None or self._traced.device != device:
+            self._traced = torch.zeros(len(self._row_info), _TRACED_COLS, dtype=torch.float64, device=device)
+            self._seq = torch.zeros(1, dtype=torch.float64, device=device)
+        elif self._active:
+            self._traced[:, _SEQ].zero_()
+            self._seq.zero_()
 
     def check_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Records the loss (phase ``"loss"``); returns it unchanged."""
@@ -369,15 +425,20 @@ class Monitor:
             self._decode(*previous, raise_incident=raise_incident)
 
     def _start_copy(self, slots, extras, handled):
-        """Stack every pending record (+ the loss scale) and start their copy to the host."""
-        if not slots and not extras:
-            return None, None, slots, 0, handled, self.step_index
-        tensors = [s.record for s in slots] + [e.detach().double().reshape(1).expand(RECORD_SIZE) for e in extras]
-        devices = {t.device for t in tensors}
-        device = next(iter(devices))
-        if len(devices) > 1:  # a stray CPU input of a CUDA model: bring it along (tiny)
-            tensors = [t.to(device, non_blocking=True) for t in tensors]
-        rows = torch.stack(tensors)
+        """Stack every pending record, the traced buffer and the loss scale into one tensor and
+        start its copy to the host (the step's one copy)."""
+        parts = [s.record for s in slots] + [e.detach().double().reshape(1).expand(RECORD_SIZE) for e in extras]
+        traced = self._traced if (self._traced is not None and self._active) else None
+        if not parts and traced is None:
+            return None, None, slots, 0, 0, handled, self.step_index
+        device = traced.device if traced is not None else parts[0].device
+        parts = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]  # a stray CPU input
+        blocks = []
+        if parts:
+            blocks.append(torch.nn.functional.pad(torch.stack(parts), (0, _TRACED_COLS - RECORD_SIZE)))
+        if traced is not None:
+            blocks.append(traced)
+        rows = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
         event = None
         if rows.is_cuda and self.mode == "async":
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -385,16 +446,42 @@ class Monitor:
             event = torch.cuda.Event()
             event.record()
             rows = host
-        return rows, event, slots, len(extras), handled, self.step_index
+        n_traced = 0 if traced is None else traced.shape[0]
+        return rows, event, slots, len(extras), n_traced, handled, self.step_index
 
-    def _decode(self, rows, event, slots, n_extras, handled, step, raise_incident=True) -> None:
+    def _traced_slots(self, traced_values, step):
+        """Slots for the traced rows written this step, in execution order."""
+        written = sorted((v[_SEQ], r) for r, v in enumerate(traced_values) if v[_SEQ] > 0)
+        slots, values, index_of_row = [], [], {}
+        for _, r in written:
+            name, is_output, input_row = self._row_info[r]
+            v = traced_values[r]
+            inputs = (index_of_row[input_row],) if is_output and input_row in index_of_row else ()
+            slot = _Slot(step, "forward", "activation", name, None, None, inputs, candidate=is_output)
+            slot.dtype, slot.shape = _DTYPES[int(v[_DTYPE])], (int(v[_NUMEL]),)
+            index_of_row[r] = len(slots)
+            slots.append(slot)
+            values.append(v[:RECORD_SIZE])
+        return slots, values
+
+    def _decode(self, rows, event, slots, n_extras, n_traced, handled, step, raise_incident=True) -> None:
         if event is not None:
             event.synchronize()  # recorded a step ago: normally long done
         # rows is None when nothing was recorded; under torch.distributed the agreement below is
         # a collective, so every rank must still reach it.
         values = rows.tolist() if rows is not None else []  # the one host copy per step (sync mode)
+        main = [v[:RECORD_SIZE] for v in values[:len(slots)]]
+        extra, traced = values[len(slots):len(slots) + n_extras], values[len(slots) + n_extras:]
         if n_extras:
-            self.ledger.scale_history.append((step, values[len(slots)][0]))
+            self.ledger.scale_history.append((step, extra[0][0]))
+        if n_traced:
+            traced_slots, traced_values = self._traced_slots(traced, step)
+            offset = len(slots)
+            for t in traced_slots:
+                t.inputs = tuple(offset + j for j in t.inputs)
+            slots, values = list(slots) + traced_slots, main + traced_values
+        else:
+            values = main
         nonfinite = [v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT] > 0 for v in values]
         first_by_phase = {}
         for i, s in enumerate(slots):
