@@ -1,7 +1,6 @@
 """2 ranks on gloo (CPU): a fault on rank 1 only; every rank stops in the same step and names rank 1."""
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -12,15 +11,9 @@ from torch import nn
 import nanscan
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, out_dir):
+    # A file rendezvous: no TCP port to race for with other processes on the machine.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     result = {"rank": rank}
     try:
         torch.manual_seed(0)
@@ -46,14 +39,18 @@ def worker(rank, world, port, out_dir):
     combined, first_rank = nanscan.all_reduce_records(nanscan.records([shard]))
     result["combined"] = combined[0].tolist()
     result["first_rank"] = first_rank.tolist()
-    dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()  # both results are on disk
+    # Skip interpreter teardown: gloo's worker threads occasionally abort the process in C++
+    # static destructors at exit ("terminate called without an active exception"), after all
+    # the work above is done -- a shutdown flake of the test harness, not of nanscan.
+    os._exit(0)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_ranks_gloo_fault_on_rank_1_only(tmp_path):
-    mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r.get("raised"), f"rank {r['rank']} did not stop"
