@@ -326,3 +326,38 @@ def test_compiled_model_localizes_with_zero_graph_breaks(backend):
     with pytest.raises(nanscan.NonFiniteError) as err2, mon2:
         train(compiled2, mon2, 2, lambda i: torch.full((4, 8), float("nan")) if i else torch.randn(4, 8), opt2)
     assert (err2.value.incident.step, err2.value.incident.name, err2.value.incident.produced) == (1, "embed", False)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_fused_optimizer_skips_are_read_from_found_inf(mode):
+    # A fused optimizer takes found_inf from GradScaler and skips inside its kernel: step() and
+    # its hooks still run, so "applied" must come from the device flag, not from the hook.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    poison = {"on": False}
+    model.head.weight.register_hook(lambda g: g * INF if poison["on"] else g)
+    mon = nanscan.watch(model, opt, scaler, mode=mode)
+
+    def batch(i):
+        poison["on"] = i in (1, 2)
+        return torch.randn(4, 8)
+
+    with mon:
+        train(model, mon, 5, batch, opt, scaler=scaler)
+    assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped_steps) == (5, 3, [1, 2])
+    assert all(i.handled_by_scaler for i in mon.incidents) and {i.step for i in mon.incidents} == {1, 2}
+
+
+def test_optimizer_state_is_watched_on_request():
+    torch.manual_seed(0)
+    model = GatedNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with nanscan.watch(model, opt, params=False, optimizer_state=True, on_nonfinite="record") as mon:
+        train(model, mon, 2, lambda i: torch.randn(4, 8), opt)
+        with torch.no_grad():
+            opt.state[model.gate]["exp_avg_sq"].fill_(float("nan"))
+        train(model, mon, 1, lambda i: torch.randn(4, 8), opt)
+    kinds = {(i.kind, i.name) for i in mon.incidents}
+    assert ("optimizer_state", "gate.exp_avg_sq") in kinds

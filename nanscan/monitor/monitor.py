@@ -130,7 +130,9 @@ class Monitor:
         self._active = False
         self._in_step = False
         self._read_this_step = False
-        self._applied_this_step = False
+        self._applied_this_step = False  # True / False, or None: decided when found_inf is read
+        self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the step)
+        self._undecided: set = set()  # steps whose fused-AMP decision arrives with a later read
         self._grads_this_step = False
         self._closed = False
         self._install()
@@ -273,13 +275,24 @@ class Monitor:
 
         return grad_hook
 
+    def _fused_amp_found_inf(self, optimizer) -> Optional[torch.Tensor]:
+        """With a GradScaler and an optimizer that handles AMP itself (fused Adam/AdamW/SGD),
+        GradScaler does not skip ``optimizer.step``: it sets ``optimizer.found_inf`` and the
+        kernel skips the update. That device flag is read with the step's records."""
+        if self.scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return None
+        found_inf = getattr(optimizer, "found_inf", None)
+        return found_inf if isinstance(found_inf, torch.Tensor) else None
+
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
         if self._active:
-            self._read(before_update=True)
+            self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
         return None
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         self._applied_this_step = True
+        if self._active and self._fused_amp_found_inf(optimizer) is not None:
+            self._applied_this_step = self._fused_applied.pop(self.step_index, None)
         if not self._active:
             return
         if self.params and self._params:
@@ -386,20 +399,23 @@ class Monitor:
             if self._active:
                 if self.optimizer is not None and self._grads_this_step:
                     self.ledger.attempted += 1
-                    if not self._applied_this_step:
+                    if self._applied_this_step is False:
                         self.ledger.skipped_steps.append(self.step_index)
-                if self._applied_this_step:
+                    elif self._applied_this_step is None:
+                        self._undecided.add(self.step_index)
+                if self._applied_this_step is True:
                     self.ledger.applied += 1
                 if not self._read_this_step:
                     self._read(before_update=False, raise_incident=raise_incident)
-            elif self._applied_this_step:
+            elif self._applied_this_step is True:
                 self.ledger.applied += 1
         finally:
             self._active = False
             self._in_step = False
             self.step_index += 1
 
-    def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False) -> None:
+    def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
+              found_inf: Optional[torch.Tensor] = None) -> None:
         self._read_this_step = True
         slots = self._pending
         self._pending = []
@@ -415,7 +431,11 @@ class Monitor:
         handled = (not before_update and self.scaler is not None and self._grads_this_step
                    and not self._applied_this_step and not final)
         scale, self._scale_used = self._scale_used, None
-        extras = [scale] if scale is not None and not final else []  # the loss scale of this step
+        extras = []  # (what, tensor): read with the records, in the same copy
+        if scale is not None and not final:
+            extras.append(("scale", scale))
+        if found_inf is not None:
+            extras.append(("found_inf", found_inf))
         previous, self._in_flight = self._in_flight, None
         if self.mode == "async" and not final:
             self._in_flight = self._start_copy(slots, extras, handled)
@@ -427,10 +447,10 @@ class Monitor:
     def _start_copy(self, slots, extras, handled):
         """Stack every pending record, the traced buffer and the loss scale into one tensor and
         start its copy to the host (the step's one copy)."""
-        parts = [s.record for s in slots] + [e.detach().double().reshape(1).expand(RECORD_SIZE) for e in extras]
+        parts = [s.record for s in slots] + [e.detach().double().reshape(1).expand(RECORD_SIZE) for _, e in extras]
         traced = self._traced if (self._traced is not None and self._active) else None
         if not parts and traced is None:
-            return None, None, slots, 0, 0, handled, self.step_index
+            return None, None, slots, (), 0, handled, self.step_index
         device = traced.device if traced is not None else parts[0].device
         parts = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]  # a stray CPU input
         blocks = []
@@ -447,7 +467,7 @@ class Monitor:
             event.record()
             rows = host
         n_traced = 0 if traced is None else traced.shape[0]
-        return rows, event, slots, len(extras), n_traced, handled, self.step_index
+        return rows, event, slots, tuple(what for what, _ in extras), n_traced, handled, self.step_index
 
     def _traced_slots(self, traced_values, step):
         """Slots for the traced rows written this step, in execution order."""
@@ -464,16 +484,29 @@ class Monitor:
             values.append(v[:RECORD_SIZE])
         return slots, values
 
-    def _decode(self, rows, event, slots, n_extras, n_traced, handled, step, raise_incident=True) -> None:
+    def _decode(self, rows, event, slots, extra_names, n_traced, handled, step, raise_incident=True) -> None:
         if event is not None:
             event.synchronize()  # recorded a step ago: normally long done
         # rows is None when nothing was recorded; under torch.distributed the agreement below is
         # a collective, so every rank must still reach it.
         values = rows.tolist() if rows is not None else []  # the one host copy per step (sync mode)
         main = [v[:RECORD_SIZE] for v in values[:len(slots)]]
+        n_extras = len(extra_names)
         extra, traced = values[len(slots):len(slots) + n_extras], values[len(slots) + n_extras:]
-        if n_extras:
-            self.ledger.scale_history.append((step, extra[0][0]))
+        for what, row in zip(extra_names, extra):
+            if what == "scale":
+                self.ledger.scale_history.append((step, row[0]))
+            elif what == "found_inf":
+                applied = row[0] == 0
+                handled = handled or not applied  # the fused kernel skipped the update: AMP handled it
+                if step in self._undecided:  # async: the step already ended
+                    self._undecided.discard(step)
+                    if applied:
+                        self.ledger.applied += 1
+                    else:
+                        self.ledger.skipped_steps = sorted(self.ledger.skipped_steps + [step])
+                else:
+                    self._fused_applied[step] = applied
         if n_traced:
             traced_slots, traced_values = self._traced_slots(traced, step)
             offset = len(slots)
