@@ -77,3 +77,26 @@ def test_more_than_2_pow_31_elements(backend):
     assert (s.finite_min, s.finite_max, s.sumsq) == (-3.0, 0.0, 9.0)
     del x
     torch.cuda.empty_cache()
+
+
+def test_watched_training_step_async_has_no_host_sync():
+    from benchmarks.models import GPT
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = GPT(layers=2).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(0, 1024, (2, 128), device="cuda")
+    with nanscan.watch(model, opt, mode="async") as mon:
+        for i in range(4):
+            if i == 2:  # warm-up steps (allocations, first copies) are done
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with mon.step():
+                    loss = mon.check_loss(F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    assert mon.incidents == [] and mon.ledger.applied == 4
