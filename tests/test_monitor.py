@@ -361,3 +361,15 @@ def test_optimizer_state_is_watched_on_request():
         train(model, mon, 1, lambda i: torch.randn(4, 8), opt)
     kinds = {(i.kind, i.name) for i in mon.incidents}
     assert ("optimizer_state", "gate.exp_avg_sq") in kinds
+
+
+def test_hooks_added_after_compile_are_refused_not_silently_ignored():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(torch.randn(4, 8))  # compiled before any hook exists: this graph never calls them
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(RuntimeError, match="watch\\(model\\) first, then torch.compile"), mon:
+        train(compiled, mon, 1, lambda i: torch.randn(4, 8), opt)

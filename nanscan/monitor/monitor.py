@@ -515,6 +515,7 @@ class Monitor:
             slots, values = list(slots) + traced_slots, main + traced_values
         else:
             values = main
+        self._check_hooks_ran(slots, step)
         nonfinite = [v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT] > 0 for v in values]
         first_by_phase = {}
         for i, s in enumerate(slots):
@@ -534,6 +535,22 @@ class Monitor:
             warnings.warn(str(report), RuntimeWarning, stacklevel=3)
             return
         raise NonFiniteError(report)
+
+    def _check_hooks_ran(self, slots, step) -> None:
+        """A step with a loss or gradients but no module output means the forward hooks did not
+        run: typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph
+        never calls hooks added later. Attribution would then be wrong, so refuse loudly."""
+        if not self.activations:
+            return
+        this_step = [s for s in slots if s.step == step]
+        if any(s.phase == "forward" for s in this_step):
+            return
+        if any(s.phase in ("loss", "backward") for s in this_step):
+            raise RuntimeError(
+                "nanscan.watch: the model's forward hooks did not run in this step although a loss / gradients "
+                "were seen. If the model was compiled before it was watched, the compiled graph never calls "
+                "hooks added later: call nanscan.watch(model) first, then torch.compile(model). (A loss computed "
+                "without calling the watched model gives this error too.)")
 
     def _allowed(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.allow)
