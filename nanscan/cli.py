@@ -1,4 +1,9 @@
-"""``python -m nanscan`` / ``nanscan``: ``info`` (versions, backends, build) and ``demo``."""
+"""``python -m nanscan`` / ``nanscan``: ``info``, ``demo``, and for failure bundles ``show``,
+``replay`` and ``bisect``.
+
+``--model pkg.module:factory`` names a function returning the model (built the same way as in
+training); the factory may also return ``(model, forward)`` where ``forward(model, batch)``
+returns the loss or output of one step."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +49,17 @@ def main(argv=None) -> int:
     p_info = sub.add_parser("info", help="versions, usable backends, what was compiled")
     p_info.add_argument("--json", action="store_true", help="print strict JSON")
     sub.add_parser("demo", help="summarize example tensors on every available backend")
+    p_show = sub.add_parser("show", help="a failure bundle's manifest as a readable page")
+    p_show.add_argument("bundle")
+    p_replay = sub.add_parser("replay", help="re-run a bundle's step and name the first non-finite op")
+    p_replay.add_argument("bundle")
+    p_replay.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
+    p_replay.add_argument("--fp32", action="store_true", help="re-run in float32 without autocast")
+    p_replay.add_argument("--backend", default=None, help="re-run compiled with this torch.compile backend")
+    p_replay.add_argument("--anomaly", action="store_true", help="add detect_anomaly(check_nan=True)")
+    p_bisect = sub.add_parser("bisect", help="eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle")
+    p_bisect.add_argument("bundle")
+    p_bisect.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
     args = parser.parse_args(argv)
     if args.command == "info":
         data = info()
@@ -58,7 +74,54 @@ def main(argv=None) -> int:
         from nanscan.demo import main as demo_main
 
         return demo_main()
-    return 2
+    from nanscan.capture import bisect_backends, load_bundle, replay
+
+    bundle = load_bundle(args.bundle)
+    if args.command == "show":
+        print(show(bundle))
+        return 0
+    model, forward = load_factory(args.model)
+    if args.command == "replay":
+        result = replay(bundle, model, forward=forward, precision="fp32" if args.fp32 else None,
+                        compile_backend=args.backend, anomaly=args.anomaly)
+        print(result)
+        return 1 if result.reproduced else 0
+    results = bisect_backends(bundle, model, forward=forward)
+    for name, result in results.items():
+        print(f"{name:<28} {result}")
+    return 1 if any(r.finite is False for r in results.values()) else 0
+
+
+def load_factory(spec: str):
+    """``pkg.module:factory`` -> (model, forward or None)."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"--model must look like pkg.module:factory, got {spec!r}")
+    made = getattr(importlib.import_module(module_name), attr)()
+    return made if isinstance(made, tuple) else (made, None)
+
+
+def show(bundle) -> str:
+    """The manifest as a readable page."""
+    m = bundle.manifest
+    lines = [f"nanscan bundle {bundle.path}", f"  created      {m.get('created')}", f"  step         {m.get('step')}",
+             f"  state        model / optimizer / scaler state from {m.get('state')}",
+             f"  mode         {'train' if m.get('training') else 'eval'}"]
+    inc = m.get("incident")
+    if inc:
+        lines.append(f"  incident     {inc.get('kind')} '{inc.get('name')}' in {inc.get('phase')} "
+                     f"(produced={inc.get('produced')}, rank {inc.get('rank')})")
+    for device, ac in (m.get("autocast") or {}).items():
+        lines.append(f"  autocast     {device}: {'on, ' + ac.get('dtype') if ac.get('enabled') else 'off'}")
+    lines.append(f"  parameters   {m.get('model_precision', {}).get('param_dtypes')}")
+    for item in m.get("inputs", []):
+        lines.append(f"  input        {item['path']}: {item['dtype']}{item['shape']}")
+    for key, value in (m.get("environment") or {}).items():
+        lines.append(f"  env          {key} = {value}")
+    lines.append(f"  files        {', '.join(sorted(m.get('files', {})))}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ Hooks only record between ``mon.step()`` enter and exit, and only on sampled ste
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
+import os
 import warnings
 import weakref
 from typing import Any, Iterable, Optional
@@ -93,12 +95,17 @@ class Monitor:
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, grads=True, params=True,
-                 optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(), backend=None):
+                 optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(), backend=None,
+                 capture_dir=None, keep_pre_update_state=False):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.optimizer_state = activations, grads, params, optimizer_state
         self.every, self.mode, self.on_nonfinite = every, mode, on_nonfinite
         self.allow = tuple(allow)
         self.backend = backend
+        self.capture_dir = capture_dir
+        self.keep_pre_update_state = keep_pre_update_state
+        self.bundle_path: Optional[str] = None  # the bundle written at the first reported incident
+        self._captures: dict = {}  # step -> (batch clone, pre-step RNG, autocast, pre-update state)
         self.step_index = 0
         self.incidents: list = []
         self.ledger = Ledger()
@@ -196,6 +203,10 @@ class Monitor:
             if torch.compiler.is_compiling():
                 self._traced_write(self._row_of[name][0], _first_tensor((args, kwargs)))
                 return None
+            if name == ROOT and self.step_index in self._captures:  # autocast as the forward sees it
+                from nanscan.capture.bundle import autocast_state
+
+                self._captures[self.step_index]["autocast"] = autocast_state()
             inputs = []
             for label, t in list(_tensors(args, "input")) + list(_tensors(kwargs, "input")):
                 index = self._lookup(t)
@@ -327,6 +338,8 @@ class Monitor:
         self._read_this_step = self._applied_this_step = self._grads_this_step = False
         self._known.clear()
         self._reset_traced()
+        if self.capture_dir is not None and self._active:
+            self._remember_step_inputs(batch)
         self._inputs_of = {}
         self._forward_inputs_of.clear()
         self._outputs_of.clear()
@@ -344,6 +357,53 @@ class Monitor:
             raise
         else:
             self._end_step(raise_incident=True)
+
+    def _remember_step_inputs(self, batch) -> None:
+        """What a bundle needs from *before* the step: the batch (independent clones, so later
+        in-place edits do not reach the bundle), the RNG states, and -- only with
+        ``keep_pre_update_state`` -- a copy of model / optimizer / scaler state. Two steps are kept:
+        async mode and update-phase incidents are reported one step late."""
+        from nanscan.capture import bundle as B
+
+        pre_state = None
+        if self.keep_pre_update_state:
+            pre_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                         copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+                         copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
+        self._captures[self.step_index] = {
+            "batch": B.clone_batch(batch) if batch is not None else None, "rng": B.capture_rng(),
+            "autocast": B.autocast_state(), "pre_state": pre_state, "training": self.model.training}
+        for old in [k for k in self._captures if k < self.step_index - 1]:
+            del self._captures[old]
+
+    def _capture(self, incident: Incident) -> Optional[str]:
+        """Write the bundle of ``incident``'s step (once per monitor); returns its path."""
+        from nanscan.capture import bundle as B
+
+        if self.capture_dir is None or self.bundle_path is not None:
+            return None
+        saved = self._captures.get(incident.step)
+        if saved is None:
+            raise RuntimeError(f"nanscan: nothing was kept for step {incident.step}, cannot write its bundle")
+        if saved["batch"] is None:
+            warnings.warn("nanscan: the bundle has no batch: pass it to mon.step(batch) to make it replayable",
+                          RuntimeWarning, stacklevel=4)
+        pre = saved["pre_state"]
+        # Before the update when the check ran before optimizer.step (sync mode, non-update phases)
+        # or when the pre-update state was kept; otherwise honestly "after-update".
+        before = pre is not None or (self.mode == "sync" and incident.phase != "update"
+                                     and incident.step == self.step_index)
+        model_state, opt_state, scaler_state = pre if pre is not None else (
+            self.model.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None,
+            self.scaler.state_dict() if self.scaler is not None else None)
+        path = os.path.join(self.capture_dir, f"step{incident.step:06d}-rank{self.rank}")
+        self.bundle_path = B.write_bundle(
+            path, batch=saved["batch"] or {"args": [], "kwargs": {}, "single": False}, rng=saved["rng"],
+            model_state=model_state, optimizer_state=opt_state, scaler_state=scaler_state,
+            state_when="before-update" if before else "after-update", training=saved["training"],
+            autocast=saved["autocast"], precision=B.model_precision(self.model), incident=incident.to_dict(),
+            step=incident.step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
+        return self.bundle_path
 
     def _reset_traced(self) -> None:
         """(Re)allocate the traced buffer on the model's device and mark every row unwritten."""
@@ -529,12 +589,26 @@ class Monitor:
             report = distributed.agree(report)
             if report is not None and report.rank != self.rank:
                 self.incidents.append(report)
-        if report is None or self.on_nonfinite == "record":
+        if report is None:
+            return
+        capture_error = None
+        try:
+            self._capture(report)
+        except Exception as e:  # the incident stays the primary finding; the capture failure is attached
+            capture_error = e
+            warnings.warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
+        if self.on_nonfinite == "record":
             return
         if self.on_nonfinite == "warn" or not raise_incident:
             warnings.warn(str(report), RuntimeWarning, stacklevel=3)
             return
-        raise NonFiniteError(report)
+        error = NonFiniteError(report)
+        error.bundle_path = self.bundle_path
+        if self.bundle_path:
+            _attach_note(error, f"nanscan wrote the failure bundle: {self.bundle_path}")
+        if capture_error is not None:
+            _attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
+        raise error
 
     def _check_hooks_ran(self, slots, step) -> None:
         """A step with a loss or gradients but no module output means the forward hooks did not
@@ -579,7 +653,8 @@ def _attach_note(exc: BaseException, note: str) -> None:
 
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads: bool = True,
           params: bool = True, optimizer_state: bool = False, every: int = 1, mode: str = "sync",
-          on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None) -> Monitor:
+          on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
+          capture_dir: Optional[str] = None, keep_pre_update_state: bool = False) -> Monitor:
     """Watch ``model`` for non-finite values, every ``every`` steps, cheaply enough to leave on.
 
     ``activations``: module inputs/outputs in the forward and the gradients flowing into module
@@ -591,6 +666,14 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     ``mon.incidents``). A step whose update GradScaler skipped is never raised (AMP handled it), it
     is recorded and counted in ``mon.ledger``. ``allow``: fnmatch patterns of names allowed to be
     non-finite (e.g. ``"*.attn_mask"``). Watch before ``torch.compile``.
+
+    ``capture_dir``: at the first reported incident, write a failure bundle there
+    (``step000123-rank0``; see :mod:`nanscan.capture.bundle`) with the batch given to
+    ``mon.step(batch)`` (cloned before the forward), the pre-step RNG, and model / optimizer /
+    scaler state marked "before-update" or "after-update". Cost per checked step: a clone of the
+    batch and the RNG states. ``keep_pre_update_state=True`` also keeps a copy of model, optimizer
+    and scaler state from the start of each step, so update-phase (and async) incidents get
+    pre-update state: one extra copy of all state in memory and a device copy of it every step.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanscan.watch expects a torch.nn.Module, got {type(model).__name__}")
@@ -612,6 +695,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
                          "(mon.close() or leave its `with` block) before watching it again")
     monitor = Monitor(model, optimizer, scaler, activations=activations, grads=grads, params=params,
                       optimizer_state=optimizer_state, every=every, mode=mode, on_nonfinite=on_nonfinite,
-                      allow=tuple(allow), backend=backend)
+                      allow=tuple(allow), backend=backend, capture_dir=capture_dir,
+                      keep_pre_update_state=keep_pre_update_state)
     _WATCHED[id(model)] = monitor
     return monitor
