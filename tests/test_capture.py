@@ -191,3 +191,42 @@ def test_cli_show_replay_bisect(tmp_path):
     assert fp32.returncode == 1  # the overflow is fp32's own: still reproduced
     bisected = cli("bisect", mon.bundle_path, "--model", "tests.capture_models:drop_net")
     assert bisected.returncode == 1 and "eager" in bisected.stdout and "inductor" in bisected.stdout, bisected.stderr
+
+
+def test_replay_compiled_with_aot_eager_still_finds_the_op(tmp_path):
+    path = nanscan.capture_bundle(str(tmp_path / "b"), model=log_net(), batch=torch.randn(4, 8))
+    torch._dynamo.reset()
+    result = nanscan.replay(path, log_net(), compile_backend="aot_eager", backward=False)
+    assert result.reproduced and result.first_op == "aten.log.default" and result.compile_backend == "aot_eager"
+
+
+class GatedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.gate = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x + 0.0 * self.gate)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_update_phase_bundle_state_marker(tmp_path, keep):
+    # Adam with eps=0 turns gate's zero gradient into a NaN update at step 0; it is seen at step 1.
+    torch.manual_seed(0)
+    model = GatedNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, eps=0.0)
+    mon = nanscan.watch(model, opt, capture_dir=str(tmp_path), keep_pre_update_state=keep)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            with mon.step(x):
+                mon.check_loss(model(x).sum()).backward()
+                opt.step()
+                opt.zero_grad()
+    assert (err.value.incident.step, err.value.incident.phase) == (0, "update")
+    bundle = nanscan.load_bundle(mon.bundle_path)
+    assert bundle.manifest["state"] == ("before-update" if keep else "after-update")
+    gate = bundle.model_state["gate"]
+    assert torch.isfinite(gate).all() if keep else torch.isnan(gate).all()
+    assert bundle.manifest["step"] == 0
