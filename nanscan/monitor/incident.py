@@ -19,8 +19,9 @@ class Incident:
     For activations the inputs are the module's tensor inputs; for a parameter's gradient, the
     gradient flowing into its module's output; for a parameter after the update, its gradient;
     for the loss, the model's outputs. ``inputs`` names the non-finite inputs when propagated.
-    ``handled_by_scaler`` is True when a GradScaler skipped that step's update, i.e. AMP handled
-    the overflow as designed (such incidents are recorded, never raised).
+    ``handled_by_scaler`` is True for a gradient (backward-phase) incident in a step whose update
+    GradScaler skipped, i.e. AMP handled the overflow as designed (recorded, never raised). Forward
+    and loss incidents are never "handled": loss scaling cannot fix them.
     """
 
     step: int

@@ -39,6 +39,7 @@ import torch
 from nanscan.monitor import distributed
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
+from nanscan.monitor.steplog import StepLog
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records
 
@@ -96,7 +97,7 @@ class Monitor:
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, grads=True, params=True,
                  optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(), backend=None,
-                 capture_dir=None, keep_pre_update_state=False):
+                 capture_dir=None, keep_pre_update_state=False, log=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.optimizer_state = activations, grads, params, optimizer_state
         self.every, self.mode, self.on_nonfinite = every, mode, on_nonfinite
@@ -105,6 +106,7 @@ class Monitor:
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
         self.bundle_path: Optional[str] = None  # the bundle written at the first reported incident
+        self.steplog: Optional[StepLog] = None
         self._captures: dict = {}  # step -> (batch clone, pre-step RNG, autocast, pre-update state)
         self.step_index = 0
         self.incidents: list = []
@@ -142,6 +144,8 @@ class Monitor:
         self._undecided: set = set()  # steps whose fused-AMP decision arrives with a later read
         self._grads_this_step = False
         self._closed = False
+        if log is not None:
+            self.steplog = StepLog(log, self.rank)
         self._install()
 
     # ------------------------------------------------------------------ hooks
@@ -376,33 +380,56 @@ class Monitor:
         for old in [k for k in self._captures if k < self.step_index - 1]:
             del self._captures[old]
 
-    def _capture(self, incident: Incident) -> Optional[str]:
-        """Write the bundle of ``incident``'s step (once per monitor); returns its path."""
-        from nanscan.capture import bundle as B
+    def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
+                step: Optional[int] = None) -> str:
+        """Write the bundle of ``step`` (default: the incident's step, else the current one) into
+        ``capture_dir`` (default: the monitor's) from what ``mon.step(batch)`` kept; returns its path.
+        Used at the first incident, and by :func:`nanscan.guard` when a step fails otherwise."""
+        capture_dir = capture_dir or self.capture_dir
+        if capture_dir is None:
+            raise ValueError("nanscan: no capture_dir was given (watch(..., capture_dir=...) or guard(capture_dir=...))")
+        step = step if step is not None else (incident.step if incident is not None else self.step_index)
+        if not self._captures and self.capture_dir is None:
+            raise RuntimeError("nanscan: the monitor kept no batch / RNG (it was created without capture_dir), "
+                               "so no bundle can be written for this step")
+        return self._write_capture(incident, capture_dir, step)
 
+    def _capture(self, incident: Incident) -> Optional[str]:
+        """At the first reported incident: write its step's bundle (once per monitor)."""
         if self.capture_dir is None or self.bundle_path is not None:
             return None
-        saved = self._captures.get(incident.step)
+        return self._write_capture(incident, self.capture_dir, incident.step)
+
+    def _write_capture(self, incident: Optional[Incident], capture_dir: str, step: int) -> str:
+        from nanscan.capture import bundle as B
+
+        saved = self._captures.get(step)
         if saved is None:
-            raise RuntimeError(f"nanscan: nothing was kept for step {incident.step}, cannot write its bundle")
+            raise RuntimeError(f"nanscan: nothing was kept for step {step}, cannot write its bundle")
         if saved["batch"] is None:
             warnings.warn("nanscan: the bundle has no batch: pass it to mon.step(batch) to make it replayable",
                           RuntimeWarning, stacklevel=4)
         pre = saved["pre_state"]
         # Before the update when the check ran before optimizer.step (sync mode, non-update phases)
         # or when the pre-update state was kept; otherwise honestly "after-update".
-        before = pre is not None or (self.mode == "sync" and incident.phase != "update"
-                                     and incident.step == self.step_index)
+        if pre is not None:
+            before = True
+        elif incident is not None:
+            before = self.mode == "sync" and incident.phase != "update" and step == self.step_index
+        else:  # guard: a step that failed on its own; the update ran only if its hook fired
+            before = step == self.step_index and not self._applied_this_step
         model_state, opt_state, scaler_state = pre if pre is not None else (
             self.model.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None,
             self.scaler.state_dict() if self.scaler is not None else None)
-        path = os.path.join(self.capture_dir, f"step{incident.step:06d}-rank{self.rank}")
+        path = os.path.join(capture_dir, f"step{step:06d}-rank{self.rank}")
+        self._bundle_step = step
         self.bundle_path = B.write_bundle(
             path, batch=saved["batch"] or {"args": [], "kwargs": {}, "single": False}, rng=saved["rng"],
             model_state=model_state, optimizer_state=opt_state, scaler_state=scaler_state,
             state_when="before-update" if before else "after-update", training=saved["training"],
-            autocast=saved["autocast"], precision=B.model_precision(self.model), incident=incident.to_dict(),
-            step=incident.step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
+            autocast=saved["autocast"], precision=B.model_precision(self.model),
+            incident=incident.to_dict() if incident is not None else None,
+            step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
         return self.bundle_path
 
     def _reset_traced(self) -> None:
@@ -436,6 +463,8 @@ class Monitor:
             if self._pending or self._in_flight is not None:
                 self._read(before_update=False, final=True)
         finally:
+            if self.steplog is not None:
+                self.steplog.close()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
@@ -470,6 +499,13 @@ class Monitor:
             elif self._applied_this_step is True:
                 self.ledger.applied += 1
         finally:
+            if self.steplog is not None and self._active:
+                update = None
+                if self.optimizer is not None and self._grads_this_step:
+                    update = {True: "applied", False: "skipped", None: None}[self._applied_this_step]
+                lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+                self.steplog.ended(self.step_index, update, lr if isinstance(lr, (int, float)) else None)
+                self.steplog.flush()
             self._active = False
             self._in_step = False
             self.step_index += 1
@@ -556,6 +592,8 @@ class Monitor:
         for what, row in zip(extra_names, extra):
             if what == "scale":
                 self.ledger.scale_history.append((step, row[0]))
+                if self.steplog is not None:
+                    self.steplog.scale(step, row[0])
             elif what == "found_inf":
                 applied = row[0] == 0
                 handled = handled or not applied  # the fused kernel skipped the update: AMP handled it
@@ -565,6 +603,8 @@ class Monitor:
                         self.ledger.applied += 1
                     else:
                         self.ledger.skipped_steps = sorted(self.ledger.skipped_steps + [step])
+                    if self.steplog is not None:
+                        self.steplog.decided(step, "applied" if applied else "skipped")
                 else:
                     self._fused_applied[step] = applied
         if n_traced:
@@ -581,15 +621,22 @@ class Monitor:
         for i, s in enumerate(slots):
             if not nonfinite[i] or not s.candidate or (s.step, s.phase) in first_by_phase or self._allowed(s.name):
                 continue
-            first_by_phase[(s.step, s.phase)] = self._incident(s, values[i], slots, nonfinite, handled and s.step == step)
+            # Only gradient overflow is AMP's to handle: loss scaling cannot fix a non-finite forward
+            # activation or loss (the same batch would overflow again, and the scale would only
+            # collapse), so those stay incidents even when GradScaler skipped the step.
+            handled_here = handled and s.step == step and s.phase == "backward"
+            first_by_phase[(s.step, s.phase)] = self._incident(s, values[i], slots, nonfinite, handled_here)
         found = sorted(first_by_phase.values(), key=lambda inc: (inc.step, _PHASE_ORDER[inc.phase]))
         self.incidents.extend(found)
+        if self.steplog is not None:
+            self.steplog.observe(slots, values, nonfinite)
         report = found[0] if found and not found[0].handled_by_scaler else None
         if distributed.active():  # every rank reports the same incident in the same step
             report = distributed.agree(report)
             if report is not None and report.rank != self.rank:
                 self.incidents.append(report)
         if report is None:
+            self._log_incidents(found)
             return
         capture_error = None
         try:
@@ -597,6 +644,7 @@ class Monitor:
         except Exception as e:  # the incident stays the primary finding; the capture failure is attached
             capture_error = e
             warnings.warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
+        self._log_incidents(found if report in found else found + [report])
         if self.on_nonfinite == "record":
             return
         if self.on_nonfinite == "warn" or not raise_incident:
@@ -609,6 +657,11 @@ class Monitor:
         if capture_error is not None:
             _attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
         raise error
+
+    def _log_incidents(self, incidents) -> None:
+        if self.steplog is not None:
+            for inc in incidents:
+                self.steplog.incident(inc, self.bundle_path if inc.step == getattr(self, "_bundle_step", None) else None)
 
     def _check_hooks_ran(self, slots, step) -> None:
         """A step with a loss or gradients but no module output means the forward hooks did not
@@ -654,7 +707,7 @@ def _attach_note(exc: BaseException, note: str) -> None:
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads: bool = True,
           params: bool = True, optimizer_state: bool = False, every: int = 1, mode: str = "sync",
           on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
-          capture_dir: Optional[str] = None, keep_pre_update_state: bool = False) -> Monitor:
+          capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None) -> Monitor:
     """Watch ``model`` for non-finite values, every ``every`` steps, cheaply enough to leave on.
 
     ``activations``: module inputs/outputs in the forward and the gradients flowing into module
@@ -663,8 +716,9 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     ``mode="sync"`` reads the step's records once, before ``optimizer.step`` (so a bad update can
     be stopped); ``"async"`` copies them without blocking and checks them a step later.
     ``on_nonfinite``: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or ``"record"`` (only
-    ``mon.incidents``). A step whose update GradScaler skipped is never raised (AMP handled it), it
-    is recorded and counted in ``mon.ledger``. ``allow``: fnmatch patterns of names allowed to be
+    ``mon.incidents``). Non-finite gradients in a step whose update GradScaler skipped are never
+    raised (AMP handled them): they are recorded and counted in ``mon.ledger``. Non-finite forward
+    activations or losses are incidents even then: loss scaling cannot fix them. ``allow``: fnmatch patterns of names allowed to be
     non-finite (e.g. ``"*.attn_mask"``). Watch before ``torch.compile``.
 
     ``capture_dir``: at the first reported incident, write a failure bundle there
@@ -674,6 +728,10 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     batch and the RNG states. ``keep_pre_update_state=True`` also keeps a copy of model, optimizer
     and scaler state from the start of each step, so update-phase (and async) incidents get
     pre-update state: one extra copy of all state in memory and a device copy of it every step.
+
+    ``log``: a path or a :class:`nanscan.EventLog`: one JSONL record per checked step (loss, unscaled
+    grad norm, loss scale, lr, update applied / skipped, non-finite counts per phase) and one per
+    incident (fsynced); see :mod:`nanscan.monitor.steplog`.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanscan.watch expects a torch.nn.Module, got {type(model).__name__}")
@@ -696,6 +754,6 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     monitor = Monitor(model, optimizer, scaler, activations=activations, grads=grads, params=params,
                       optimizer_state=optimizer_state, every=every, mode=mode, on_nonfinite=on_nonfinite,
                       allow=tuple(allow), backend=backend, capture_dir=capture_dir,
-                      keep_pre_update_state=keep_pre_update_state)
+                      keep_pre_update_state=keep_pre_update_state, log=log)
     _WATCHED[id(model)] = monitor
     return monitor

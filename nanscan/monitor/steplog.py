@@ -1,0 +1,96 @@
+"""The monitor's per-step event log: one JSONL record per checked step and one per incident,
+built from the records the monitor reads anyway (no extra host sync).
+
+Per step: ``loss`` (the loss record's value), ``grad_norm`` (sqrt of the summed FP32 sums of squares
+of the parameter gradients, read when the step is checked: unscaled when GradScaler unscaled them;
+``inf`` / NaN when a gradient was non-finite), ``loss_scale``, ``lr`` (first param group),
+``update`` (``"applied"`` / ``"skipped"``; None without an optimizer) and ``nonfinite``: per phase,
+the number of non-finite elements over the tensors checked in that phase (propagated values
+included, so it measures spread, not origin).
+
+A failure to write the log never stops training: it is warned about once, logging stops, and the
+error is kept in ``error`` (``nanscan.guard`` attaches it to a training exception, if any).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+from nanscan.record import Field
+
+PHASES = ("forward", "loss", "backward", "update")
+
+
+class StepLog:
+    def __init__(self, log, rank: int):
+        from nanscan.log import EventLog
+
+        self.log = log if isinstance(log, EventLog) else EventLog(log, rank=rank)
+        self.owned = not isinstance(log, EventLog)
+        self.steps: dict = {}
+        self.error: Optional[BaseException] = None
+
+    def _entry(self, step: int) -> dict:
+        return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
+                                            "nonfinite": dict.fromkeys(PHASES, 0), "ended": False, "read": False})
+
+    def observe(self, slots, values, nonfinite) -> None:
+        """Fold one decoded read into its steps."""
+        for s, v, bad in zip(slots, values, nonfinite):
+            e = self._entry(s.step)
+            e["read"] = True
+            count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
+            if s.candidate:
+                e["nonfinite"][s.phase] += count
+            if s.kind == "loss":
+                e["loss"] = v[Field.FINITE_MIN] if not bad else (math.nan if v[Field.NAN_COUNT] else
+                                                                  math.copysign(math.inf, v[Field.POSINF_COUNT] - 0.5))
+            elif s.kind == "grad" and s.param is not None:
+                e["grad_sumsq"] = (e["grad_sumsq"] or 0.0) + v[Field.SUMSQ]
+                e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
+
+    def scale(self, step: int, value: float) -> None:
+        self._entry(step)["loss_scale"] = value
+
+    def ended(self, step: int, update: Optional[str], lr: Optional[float]) -> None:
+        e = self._entry(step)
+        e.update(ended=True, update=update, lr=lr)
+
+    def decided(self, step: int, update: str) -> None:
+        if step in self.steps:
+            self.steps[step]["update"] = update
+
+    def incident(self, incident, bundle: Optional[str]) -> None:
+        self._write(lambda: self.log.incident(incident, bundle=bundle, step=incident.step))
+
+    def flush(self, final: bool = False) -> None:
+        for step in sorted(self.steps):
+            e = self.steps[step]
+            if not final and not (e["ended"] and e["read"]):
+                continue
+            del self.steps[step]
+            grad_norm = None
+            if e["grad_bad"] == "nan":
+                grad_norm = math.nan
+            elif e["grad_bad"]:
+                grad_norm = math.inf
+            elif e["grad_sumsq"] is not None:
+                grad_norm = math.sqrt(e["grad_sumsq"])
+            self._write(lambda: self.log.step(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
+                                              lr=e.get("lr"), update=e.get("update"), nonfinite=e["nonfinite"]))
+
+    def _write(self, write) -> None:
+        if self.error is not None:
+            return
+        try:
+            write()
+        except Exception as e:  # the run matters more than its log: warn once, stop logging
+            self.error = e
+            warnings.warn(f"nanscan: the event log could not be written, logging stops: {e!r}", RuntimeWarning,
+                          stacklevel=4)
+
+    def close(self) -> None:
+        self.flush(final=True)
+        if self.owned:
+            self._write(self.log.close)
