@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, usable backends, what was compiled")
     p_info.add_argument("--json", action="store_true", help="print strict JSON")
-    sub.add_parser("demo", help="summarize example tensors on every available backend")
+    p_demo = sub.add_parser("demo", help="the end-to-end walk-through (tensors, monitor, bundle, replay, report)")
+    p_demo.add_argument("workdir", nargs="?", default=None, help="where the log, bundle and report go (default: a temp dir)")
     p_show = sub.add_parser("show", help="a failure bundle's manifest as a readable page")
     p_show.add_argument("bundle")
     p_replay = sub.add_parser("replay", help="re-run a bundle's step and name the first non-finite op")
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     if args.command == "demo":
         from nanscan.demo import main as demo_main
 
-        return demo_main()
+        return demo_main([args.workdir] if args.workdir else None)
     from nanscan.capture import bisect_backends, load_bundle, replay
 
     bundle = load_bundle(args.bundle)

@@ -258,11 +258,12 @@ class EventLog:
         record.update(incident=data, bundle=None if bundle is None else str(bundle))
         self._write(record, fsync=True)
 
-    def event(self, kind: str, step: Optional[int] = None, **fields) -> None:
-        """Any other event; ``kind`` may not be "header", "step" or "incident" (use their methods)."""
+    def event(self, kind: str, step: Optional[int] = None, *, fsync: bool = False, **fields) -> None:
+        """Any other event (e.g. ``"exception"`` from ``nanscan.guard``), fsynced when ``fsync``;
+        ``kind`` may not be "header", "step" or "incident" (use their methods)."""
         if not isinstance(kind, str) or kind in ("header", "step", "incident"):
             raise ValueError(f"nanscan EventLog.event: kind {kind!r} is reserved or not a str")
-        self._write(self._record(kind, step, fields), fsync=False)
+        self._write(self._record(kind, step, fields), fsync=fsync)
 
     def close(self) -> None:
         with self._lock:

@@ -35,7 +35,8 @@ def _user_frame() -> Optional[str]:
     """``file:line in function`` of the innermost frame that is the user's code."""
     for frame in reversed(traceback.extract_stack()):
         f = os.path.abspath(frame.filename)
-        if f.startswith(_SKIP_DIRS) or f.startswith(_NANSCAN_DIR):
+        if f.startswith(_SKIP_DIRS) or frame.filename.startswith("<frozen") or (
+                f.startswith(_NANSCAN_DIR) and os.path.basename(f) != "demo.py"):  # the demo's model is user code
             continue
         return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return None

@@ -505,7 +505,8 @@ class Monitor:
                     update = {True: "applied", False: "skipped", None: None}[self._applied_this_step]
                 lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
                 self.steplog.ended(self.step_index, update, lr if isinstance(lr, (int, float)) else None)
-                self.steplog.flush()
+                lag = (1 if (self.params and self.optimizer is not None) else 0) + (1 if self.mode == "async" else 0)
+                self.steplog.flush(before=self.step_index + 1 - lag)
             self._active = False
             self._in_step = False
             self.step_index += 1

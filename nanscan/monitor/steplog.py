@@ -1,6 +1,10 @@
 """The monitor's per-step event log: one JSONL record per checked step and one per incident,
 built from the records the monitor reads anyway (no extra host sync).
 
+A step's record is written once the step ended and its records were read -- one step later when
+parameters are checked after the update (those records come with the next step's copy), two in
+async mode -- and at close.
+
 Per step: ``loss`` (the loss record's value), ``grad_norm`` (sqrt of the summed FP32 sums of squares
 of the parameter gradients, read when the step is checked: unscaled when GradScaler unscaled them;
 ``inf`` / NaN when a gradient was non-finite), ``loss_scale``, ``lr`` (first param group),
@@ -30,6 +34,7 @@ class StepLog:
         self.owned = not isinstance(log, EventLog)
         self.steps: dict = {}
         self.error: Optional[BaseException] = None
+        self.written = -1  # the last step whose record was written
 
     def _entry(self, step: int) -> dict:
         return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
@@ -38,6 +43,8 @@ class StepLog:
     def observe(self, slots, values, nonfinite) -> None:
         """Fold one decoded read into its steps."""
         for s, v, bad in zip(slots, values, nonfinite):
+            if s.step <= self.written:  # already written (a late record; incidents are logged on their own)
+                continue
             e = self._entry(s.step)
             e["read"] = True
             count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
@@ -64,12 +71,16 @@ class StepLog:
     def incident(self, incident, bundle: Optional[str]) -> None:
         self._write(lambda: self.log.incident(incident, bundle=bundle, step=incident.step))
 
-    def flush(self, final: bool = False) -> None:
+    def flush(self, before: Optional[int] = None) -> None:
+        """Write the steps that ended and were read, up to (not including) ``before``; everything
+        when ``before`` is None. The monitor keeps a step back while its parameters-after-update
+        records are still to be read (they come with the next step's copy)."""
         for step in sorted(self.steps):
             e = self.steps[step]
-            if not final and not (e["ended"] and e["read"]):
+            if before is not None and (step >= before or not (e["ended"] and e["read"])):
                 continue
             del self.steps[step]
+            self.written = max(self.written, step)
             grad_norm = None
             if e["grad_bad"] == "nan":
                 grad_norm = math.nan
@@ -91,6 +102,6 @@ class StepLog:
                           stacklevel=4)
 
     def close(self) -> None:
-        self.flush(final=True)
+        self.flush()
         if self.owned:
             self._write(self.log.close)

@@ -1,0 +1,206 @@
+"""nanscan.report on a synthetic run: AMP overflows the scaler handled, then a gradient explosion
+and a NaN loss; a crash truncated the last log line."""
+import base64
+import json
+import math
+import os
+
+import pytest
+
+from nanscan import report
+
+NAN = {"finite": False, "value": "nan"}
+INF = {"finite": False, "value": "inf"}
+SKIPPED = (6, 17)      # GradScaler overflows: grad norm inf, update skipped, scale halved next step
+FAIL = 20              # the NaN loss (forward produced it in 'block.act')
+GRAD = {15: 1.5, 16: 6.0, 18: 40.0, 19: 400.0}  # the explosion before the failure
+
+
+def step_record(step, scale):
+    if step == FAIL:
+        return {"type": "step", "step": step, "rank": 0, "time": f"t{step}", "loss": NAN, "grad_norm": NAN,
+                "loss_scale": scale, "lr": 1e-3, "update": "skipped",
+                "nonfinite": {"forward": 2, "loss": 1, "backward": 5, "update": 0}}
+    skipped = step in SKIPPED
+    return {"type": "step", "step": step, "rank": 0, "time": f"t{step}", "loss": 2.5 - 0.02 * step,
+            "grad_norm": INF if skipped else GRAD.get(step, 1.0 + 0.01 * step), "loss_scale": scale,
+            "lr": 1e-3 * min(1.0, (step + 1) / (FAIL + 1)), "update": "skipped" if skipped else "applied",
+            "nonfinite": {"forward": 0, "loss": 0, "backward": 3 if skipped else 0, "update": 0}}
+
+
+def incident(step, phase, name, kind, handled, nan):
+    summary = {"dtype": "float16", "shape": [8, 64], "numel": 512, "nan_count": nan, "posinf_count": 0 if nan else 4,
+               "neginf_count": 0, "zero_count": 3, "finite_min": -7.5, "finite_max": 60000.0,
+               "sumsq": INF, "first_nonfinite_index": 17, "nonfinite_count": nan or 4, "finite_count": 512 - (nan or 4),
+               "is_finite": False, "absmax": 60000.0, "l2_norm": INF, "sumsq_overflowed": False}
+    return {"type": "incident", "step": step, "rank": 0, "time": f"t{step}",
+            "incident": {"step": step, "phase": phase, "name": name, "kind": kind, "produced": True, "rank": 0,
+                         "inputs": [], "handled_by_scaler": handled, "summary": summary},
+            "bundle": f"/runs/nan/step{step:06d}-rank0" if not handled else None}
+
+
+def write_log(path, n=30):
+    lines = [{"type": "header", "nanscan": "0.1.0", "rank": 0, "time": "2026-01-01T00:00:00Z", "world_size": 1}]
+    scale = 65536.0
+    for step in range(n - 1):
+        lines.append(step_record(step, scale))
+        if step == SKIPPED[0]:
+            lines.append(incident(step, "backward", "block.fc2.weight", "grad", True, 0))
+        if step == FAIL:
+            lines.append(incident(step, "forward", "block.act", "activation", False, 3))
+            lines.append({"type": "checkpoint", "step": step, "path": "/ckpt"})  # an unknown type: ignored
+        if step in SKIPPED or step == FAIL:
+            scale /= 2
+    text = "\n".join(json.dumps(x, allow_nan=False) for x in lines) + "\n"
+    text += json.dumps(step_record(n - 1, scale))[:37]  # the crash cut the last line mid-write
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture
+def log(tmp_path):
+    return write_log(tmp_path / "events.jsonl")
+
+
+def test_load_events_decodes_nonfinite_and_skips_the_truncated_line(log):
+    events = report.load_events(log)
+    assert events[0]["type"] == "header"
+    fail = next(e for e in events if e.get("type") == "step" and e["step"] == FAIL)
+    assert math.isnan(fail["loss"]) and math.isnan(fail["grad_norm"])
+    assert next(e for e in events if e.get("step") == 6)["grad_norm"] == math.inf
+    inc = next(e for e in events if e.get("type") == "incident" and e["step"] == FAIL)
+    assert inc["incident"]["summary"]["sumsq"] == math.inf and inc["incident"]["summary"]["finite_min"] == -7.5
+    assert events[-1]["type"] == "unparsed" and events[-1]["last"]
+    assert sum(e.get("type") == "step" for e in events) == 29
+
+
+def test_summarize_log_finds_first_anomaly_skips_and_what_preceded(log):
+    s = report.summarize_log(report.load_events(log))
+    assert s["steps"] == list(range(29)) and len(s["loss"]) == len(s["lr"]) == len(s["nonfinite"]["forward"]) == 29
+    assert s["skipped_steps"] == [6, 17, 20]
+    assert s["loss_scale_drops"] == [7, 18, 21]
+    n_lines = len(open(log).read().splitlines())
+    assert f"last line {n_lines} is truncated (the run stopped mid-write?); skipped" in s["notes"]
+
+    first = s["first_anomaly"]
+    assert first["step"] == 6 and first["criterion"] == "grad_norm_nonfinite"
+    assert first["criteria"] == ["grad_norm_nonfinite", "nonfinite_backward", "update_skipped", "incident"]
+    assert first["handled_by_scaler"]
+
+    bad = s["first_unhandled_anomaly"]
+    assert s["focus"] is bad and bad["step"] == FAIL and bad["criterion"] == "loss_nonfinite"
+    assert not bad["handled_by_scaler"]  # a NaN loss is never an overflow the scaler absorbs
+    assert [i["incident"]["name"] for i in bad["incidents"]] == ["block.act"]
+    assert bad["incidents"][0]["bundle"] == "/runs/nan/step000020-rank0"
+
+    p = bad["preceding"]
+    assert p["steps"] == [15, 16, 17, 18, 19]
+    assert p["grad_norm"]["values"][:2] == [1.5, 6.0] and p["grad_norm"]["values"][2] == math.inf
+    assert p["grad_norm_grew_10x"] and p["grad_norm_growth"] == pytest.approx(400 / 1.5)
+    assert p["grad_norm_nonfinite_before"]
+    assert p["loss_scale_dropping"] and p["loss_scale_drops_in_window"] == [18]
+    assert p["loss_scale"]["values"] == [32768.0, 32768.0, 32768.0, 16384.0, 16384.0]
+    assert p["lr_rising"] and not p["loss_rising"]
+    assert p["skipped_in_window"] == [17]
+    # the handled overflow at step 6 had nothing alarming before it
+    q = first["preceding"]
+    assert q["steps"] == [1, 2, 3, 4, 5] and not q["grad_norm_grew_10x"] and not q["loss_scale_dropping"]
+
+    assert [st for st in s["anomalous_steps"]] == [6, 17, 20]
+    json.loads(report.to_json(s))  # strict JSON round trip of a summary holding NaN / Inf
+
+
+def test_summarize_log_clean_run_and_other_ranks():
+    events = [{"type": "step", "step": i, "rank": r, "loss": 1.0, "grad_norm": 1.0, "loss_scale": None, "lr": 0.1,
+               "update": "applied", "nonfinite": {}} for i in range(4) for r in (0, 1)]
+    events.append({"type": "step", "step": 2, "rank": 1, "loss": NAN})  # raw object: not decoded, ignored
+    s = report.summarize_log(events)
+    assert s["rank"] == 0 and s["other_ranks"] == [1] and s["first_anomaly"] is None and s["focus"] is None
+    s1 = report.summarize_log(events, rank=1)
+    assert s1["steps"] == [0, 1, 2, 3] and any("more than once" in n for n in s1["notes"])
+
+
+def test_incident_without_step_record_is_an_anomaly():
+    events = [{"type": "step", "step": 0, "rank": 0, "loss": 1.0},
+              incident(3, "update", "fc.weight", "param", False, 1)]
+    s = report.summarize_log(events)
+    assert s["steps"] == [0, 3] and s["first_anomaly"]["step"] == 3 and s["first_anomaly"]["criterion"] == "incident"
+
+
+def test_text_report_names_step_module_and_phase(log):
+    text = report.text_report(log)
+    assert "first anomalous step: step 6: grad norm non-finite" in text and "handled by GradScaler" in text
+    assert "first anomaly not handled by the scaler: step 20: loss non-finite" in text
+    assert "'block.act' at step 20, phase forward" in text and "produced here" in text
+    assert "what preceded step 20 (steps 15-19)" in text
+    assert ">10x" in text and "loss scale dropping" in text and "lr rising" in text
+    assert "truncated" in text and "updates skipped: 3 (steps 6, 17, 20)" in text
+
+
+def test_plot_report_writes_a_png(log, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = report.plot_report(log, tmp_path / "plots" / "timeline.png")
+    with open(out, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    if os.environ.get("NANSCAN_REPORT_SAMPLE"):  # leave a copy to look at
+        with open(os.environ["NANSCAN_REPORT_SAMPLE"], "wb") as f:
+            f.write(data)
+
+
+def test_plot_report_without_matplotlib_says_how_to_install(log, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match=r"pip install 'nanscan\[report\]' \(matplotlib\)"):
+        report.plot_report(log, tmp_path / "x.png")
+    assert "block.act" in report.text_report(log)  # the text report still works
+
+
+def test_html_report_embeds_the_png(log, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = report.plot_report(log, tmp_path / "t.png")
+    out = report.html_report(log, tmp_path / "r.html", png=png)
+    page = open(out, encoding="utf-8").read()
+    with open(png, "rb") as f:
+        assert f'src="data:image/png;base64,{base64.b64encode(f.read()).decode()}"' in page
+    assert "&#x27;block.act&#x27; at step 20, phase forward" in page and page.startswith("<!DOCTYPE html>")
+    assert "<img" not in open(report.html_report(log, tmp_path / "plain.html"), encoding="utf-8").read()
+
+
+def test_bundle_gives_a_text_report_without_timeline(tmp_path):
+    bundle = tmp_path / "step000020-rank0"
+    bundle.mkdir()
+    manifest = {"format": "nanscan-bundle", "version": 1, "step": 20, "state": "before-update", "training": True,
+                "autocast": {"cuda": {"enabled": True, "dtype": "float16"}, "cpu": {"enabled": False, "dtype": "bfloat16"}},
+                "model_precision": {"param_dtypes": {"float32": 1000}, "converted": []},
+                "inputs": [{"path": "args[0]", "dtype": "float32", "shape": [8, 64]}],
+                "incident": incident(20, "forward", "block.act", "activation", False, 3)["incident"],
+                "environment": {"torch": "2.14.1", "cuda": "13.0", "device": "NVIDIA H200", "tf32_matmul": False},
+                "extra": {}, "files": {"batch.pt": "0" * 64, "rng.pt": "0" * 64, "model.pt": "0" * 64}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    text = report.text_report(str(bundle))
+    assert "no timeline" in text and "'block.act' at step 20, phase forward" in text
+    assert "autocast: cuda float16" in text and "state before-update" in text and "torch 2.14.1" in text
+    s = report.summarize(str(bundle))
+    assert s["source"] == "bundle" and not s["timeline"] and s["focus"]["step"] == 20
+    assert "block.act" in report.text_report(str(bundle / "manifest.json"))
+    if pytest.importorskip("matplotlib"):
+        with pytest.raises(ValueError, match="no timeline"):
+            report.plot_report(str(bundle), tmp_path / "x.png")
+    page = open(report.html_report(str(bundle), tmp_path / "b.html"), encoding="utf-8").read()
+    assert "no timeline" in page
+
+    (tmp_path / "notabundle").mkdir()
+    with pytest.raises(ValueError, match="without manifest.json"):
+        report.text_report(str(tmp_path / "notabundle"))
+    (bundle / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a nanscan bundle"):
+        report.text_report(str(bundle))
