@@ -15,7 +15,7 @@ QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-war
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
-	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib
 	touch $@
 
 # The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.

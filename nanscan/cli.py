@@ -61,6 +61,10 @@ def main(argv=None) -> int:
     p_bisect = sub.add_parser("bisect", help="eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle")
     p_bisect.add_argument("bundle")
     p_bisect.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
+    p_report = sub.add_parser("report", help="timeline + summary of an event log (or a bundle's manifest)")
+    p_report.add_argument("source", help="an event log (.jsonl) or a bundle directory")
+    p_report.add_argument("-o", "--output", default=None, help="write the timeline PNG here (needs matplotlib)")
+    p_report.add_argument("--html", default=None, help="write a self-contained HTML page here")
     args = parser.parse_args(argv)
     if args.command == "info":
         data = info()
@@ -75,6 +79,8 @@ def main(argv=None) -> int:
         from nanscan.demo import main as demo_main
 
         return demo_main([args.workdir] if args.workdir else None)
+    if args.command == "report":
+        return report_command(args)
     from nanscan.capture import bisect_backends, load_bundle, replay
 
     bundle = load_bundle(args.bundle)
@@ -91,6 +97,22 @@ def main(argv=None) -> int:
     for name, result in results.items():
         print(f"{name:<28} {result}")
     return 1 if any(r.finite is False for r in results.values()) else 0
+
+
+def report_command(args) -> int:
+    from nanscan import report
+
+    print(report.text_report(args.source))
+    png = None
+    if args.output or args.html:
+        try:
+            png = report.plot_report(args.source, args.output or (args.html + ".png"))
+            print(f"timeline: {png}")
+        except ImportError as e:  # matplotlib is optional: the text report above still stands
+            print(f"no plot: {e}")
+    if args.html:
+        print(f"html: {report.html_report(args.source, args.html, png=png)}")
+    return 0
 
 
 def load_factory(spec: str):

@@ -143,7 +143,7 @@ def _ranges(steps) -> str:
 
 
 # ---------------------------------------------------------------------------- the log summary
-def _anomaly(i: int, s: dict, incident_steps: set) -> Optional[dict]:
+def _anomaly(i: int, s: dict, incidents_at: dict) -> Optional[dict]:
     fired = []
     if _nonfinite(s["loss"][i]):
         fired.append("loss_nonfinite")
@@ -154,14 +154,19 @@ def _anomaly(i: int, s: dict, incident_steps: set) -> Optional[dict]:
             fired.append(f"nonfinite_{p}")
     if s["update"][i] == "skipped":
         fired.append("update_skipped")
-    if s["steps"][i] in incident_steps:
+    incs = incidents_at.get(s["steps"][i], [])
+    if incs:
         fired.append("incident")
     if not fired:
         return None
-    forward_bad = ("loss_nonfinite" in fired or "nonfinite_forward" in fired or "nonfinite_loss" in fired)
+    # handled = a gradient overflow GradScaler absorbed (as the monitor decides): the update was
+    # skipped, and nothing but the backward went non-finite, and no incident says otherwise
+    beyond_backward = {"loss_nonfinite", "nonfinite_forward", "nonfinite_loss", "nonfinite_update"} & set(fired)
+    handled = (s["update"][i] == "skipped" and not beyond_backward
+               and all(inc["incident"].get("handled_by_scaler") is not False for inc in incs))
     return {"step": s["steps"][i], "index": i, "criterion": fired[0], "criteria": fired,
             "description": ", ".join(CRITERIA[c] for c in fired),
-            "handled_by_scaler": s["update"][i] == "skipped" and not forward_bad}
+            "handled_by_scaler": handled}
 
 
 def _trend(values: list) -> dict:
@@ -281,7 +286,10 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
                 s["nonfinite"][p].insert(i, 0)
         steps = s["steps"]
 
-    anomalies = [a for a in (_anomaly(i, s, incident_steps) for i in range(len(steps))) if a is not None]
+    incidents_at: dict = {}
+    for inc in incidents:
+        incidents_at.setdefault(inc["step"], []).append(inc)
+    anomalies = [a for a in (_anomaly(i, s, incidents_at) for i in range(len(steps))) if a is not None]
     first = anomalies[0] if anomalies else None
     unhandled = next((a for a in anomalies if not a["handled_by_scaler"]), None)
     phase_rank = {p: i for i, p in enumerate(PHASES)}
@@ -569,7 +577,7 @@ def _plot_series(ax, steps, values, *, color, label, log, markers=True):
     for name, (xs, marker, c) in marks.items():
         if xs:
             ax.scatter(xs, [0.93] * len(xs), transform=top, marker=marker, s=46, color=c, zorder=5,
-                       clip_on=False, label=f"{label}: {name} (top edge)")
+                       clip_on=False, label=f"{name} (marker at the panel's top)")
     if not any(v is not None for v in values):
         ax.text(0.5, 0.5, f"{label}: not logged", transform=ax.transAxes, ha="center", va="center", color="0.4")
     if log and any(v is not None and math.isfinite(v) and v > 0 for v in values):
@@ -623,22 +631,23 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
     else:
         ax_lr_lines = []
 
+    # the counts are non-finite *elements* per phase (propagated ones included): they span orders of
+    # magnitude (3 in an activation, millions in the gradients), so grouped bars on a log axis
     colors = {"forward": "#1f77b4", "loss": "#d62728", "backward": "#ff7f0e", "update": "#9467bd"}
-    bottom = [0] * len(steps)
     any_nf = False
-    for p in PHASES:
+    for k, p in enumerate(PHASES):
         counts = summary["nonfinite"][p]
         idx = [i for i, c in enumerate(counts) if c > 0]
         if idx:  # sparse: only bars that exist, so a long clean run costs nothing here
             any_nf = True
-            ax_nf.bar([steps[i] for i in idx], [counts[i] for i in idx], bottom=[bottom[i] for i in idx],
-                      width=width, color=colors[p], label=p)
-            for i in idx:
-                bottom[i] += counts[i]
-    if not any_nf:
-        ax_nf.text(0.5, 0.5, "no non-finite tensors recorded", transform=ax_nf.transAxes,
+            ax_nf.bar([steps[i] + (k - 1.5) * width / 4 for i in idx], [counts[i] for i in idx],
+                      width=width / 4, color=colors[p], label=p, log=True)
+    if any_nf:
+        ax_nf.set_ylim(bottom=0.5)
+    else:
+        ax_nf.text(0.5, 0.5, "no non-finite values recorded", transform=ax_nf.transAxes,
                    ha="center", va="center", color="0.4")
-    ax_nf.set_ylabel("non-finite tensors\nper phase")
+    ax_nf.set_ylabel("non-finite elements\nper phase (log)")
     ax_nf.set_xlabel("step")
 
     # skipped updates: shaded spans on every panel, merged into one collection per panel
@@ -660,7 +669,9 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
     if first is not None and focus is not None and first["step"] != focus["step"]:
         for ax in axes:
             ax.axvline(first["step"], color="#9467bd", ls=":", lw=1.5,
-                       label=f"first anomaly (step {first['step']})" if ax is ax_loss else None)
+                       label=(f"first anomaly (step {first['step']}"
+                              + (", handled by GradScaler)" if first["handled_by_scaler"] else ")"))
+                       if ax is ax_loss else None)
     if focus is not None:
         incs = focus.get("incidents") or []
         if incs:
@@ -678,15 +689,18 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
                          color="#d62728", fontweight="bold",
                          bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#d62728", "alpha": 0.9})
 
+    # one legend below the panels: it never hides data, the annotation or the top-edge markers
+    legend: dict = {}
     for ax in axes:
         ax.grid(True, alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
-        if ax is ax_scale:  # the lr line lives on the twin axis: one legend for both
+        if ax is ax_scale:  # the lr line lives on the twin axis
             handles, labels = handles + ax_lr_lines, labels + [ln.get_label() for ln in ax_lr_lines]
-        if handles:
-            # "best" searches for free space: fine for short runs, too slow for very long ones
-            ax.legend(handles, labels, loc="best" if len(steps) <= 5000 else "upper left", fontsize=8,
-                      framealpha=0.85)
+        for h, lab in zip(handles, labels):
+            legend.setdefault(lab if ax is not ax_nf else f"non-finite in {lab}", h)
+    if legend:
+        fig.legend(list(legend.values()), list(legend.keys()), loc="outside lower center",
+                   ncols=min(4, len(legend)), fontsize=8, frameon=False)
     if steps:
         ax_nf.set_xlim(steps[0] - width, steps[-1] + width)
     if title is None:

@@ -20,8 +20,15 @@ def test_info_json_tells_backends_and_cuda_build():
     assert data["library_error"] is None and data["torch"]
 
 
-def test_demo_prints_a_row_per_example_and_backend():
-    out = run("demo")
-    assert out.returncode == 0, out.stderr
+def test_demo_walks_through_the_incident(tmp_path):
+    out = run("demo", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
     assert "sumsq overflowed (inputs finite)" in out.stdout
     assert out.stdout.count("empty ") >= 2  # the empty tensor on cpu and on reference
+    assert "INCIDENT  step 14, phase forward, module 'embed' (activation), produced there" in out.stdout
+    assert "first non-finite op aten.addmm.default in forward, module embed" in out.stdout
+    assert "replay (precision=fp32, backend=eager): did not reproduce" in out.stdout
+    assert (tmp_path / "bundles" / "step000014-rank0" / "manifest.json").exists()
+    report = run("report", str(tmp_path / "events.jsonl"), "-o", str(tmp_path / "r.png"))
+    assert report.returncode == 0 and "step 14" in report.stdout
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
