@@ -13,6 +13,7 @@ an lr still rising points at the warmup).
 API (plain functions; ``python -m nanscan report`` builds on them)::
 
     load_events(path) -> list[dict]        # own tolerant parser: a truncated line is skipped, noted
+    parse_events(lines) -> list[dict]      # the same over lines already read
     summarize_log(events, window=5) -> dict
     summarize(path) -> dict                # log or bundle
     text_report(path) -> str               # no matplotlib needed
@@ -77,7 +78,12 @@ def load_events(path: str) -> list:
     chars}`` so that :func:`summarize_log` can say so; nothing is raised for it."""
     with open(path, "rb") as f:
         raw = f.read()
-    lines = raw.decode("utf-8", errors="replace").splitlines()
+    return parse_events(raw.decode("utf-8", errors="replace").splitlines())
+
+
+def parse_events(lines) -> list:
+    """:func:`load_events` over lines already read (strings, without or with their newline)."""
+    lines = list(lines)
     while lines and not lines[-1].strip():
         lines.pop()
     events = []

@@ -20,12 +20,12 @@ def step_record(step, scale):
     if step == FAIL:
         return {"type": "step", "step": step, "rank": 0, "time": f"t{step}", "loss": NAN, "grad_norm": NAN,
                 "loss_scale": scale, "lr": 1e-3, "update": "skipped",
-                "nonfinite": {"forward": 2, "loss": 1, "backward": 5, "update": 0}}
+                "nonfinite": {"forward": 3, "loss": 1, "backward": 250_000, "update": 0}}
     skipped = step in SKIPPED
     return {"type": "step", "step": step, "rank": 0, "time": f"t{step}", "loss": 2.5 - 0.02 * step,
             "grad_norm": INF if skipped else GRAD.get(step, 1.0 + 0.01 * step), "loss_scale": scale,
             "lr": 1e-3 * min(1.0, (step + 1) / (FAIL + 1)), "update": "skipped" if skipped else "applied",
-            "nonfinite": {"forward": 0, "loss": 0, "backward": 3 if skipped else 0, "update": 0}}
+            "nonfinite": {"forward": 0, "loss": 0, "backward": 4096 if skipped else 0, "update": 0}}
 
 
 def incident(step, phase, name, kind, handled, nan):
@@ -125,6 +125,20 @@ def test_incident_without_step_record_is_an_anomaly():
               incident(3, "update", "fc.weight", "param", False, 1)]
     s = report.summarize_log(events)
     assert s["steps"] == [0, 3] and s["first_anomaly"]["step"] == 3 and s["first_anomaly"]["criterion"] == "incident"
+
+
+def test_skipped_update_is_handled_only_for_a_gradient_overflow():
+    base = {"type": "step", "rank": 0, "loss": 1.0, "grad_norm": INF, "update": "skipped",
+            "nonfinite": {"backward": 10}}
+    events = report.parse_events([json.dumps({**base, "step": 0}),
+                                  json.dumps({**base, "step": 1, "nonfinite": {"backward": 10, "update": 1}}),
+                                  json.dumps({**base, "step": 2}),
+                                  json.dumps(incident(2, "backward", "fc.weight", "grad", False, 1))])
+    s = report.summarize_log(events)
+    assert s["anomalous_steps"] == [0, 1, 2] and s["first_anomaly"]["handled_by_scaler"]
+    assert s["first_unhandled_anomaly"]["step"] == 1  # a non-finite parameter after a skipped update
+    s = report.summarize_log([e for e in events if e["step"] != 1])
+    assert s["first_unhandled_anomaly"]["step"] == 2  # the monitor said the scaler did not handle it
 
 
 def test_text_report_names_step_module_and_phase(log):
