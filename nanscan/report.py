@@ -422,7 +422,8 @@ def incident_text(inc: dict) -> str:
         counts = (f": {_int(s.get('nan_count'))} NaN, {_int(s.get('posinf_count'))} +Inf, "
                   f"{_int(s.get('neginf_count'))} -Inf of {_int(s.get('numel'))} ({s.get('dtype', '?')}{s.get('shape', [])}"
                   + ("" if s.get("first_nonfinite_index") is None else f", first at flat index {s['first_nonfinite_index']}")
-                  + f"; finite range [{_fmt(_num(s.get('finite_min')))}, {_fmt(_num(s.get('finite_max')))}])")
+                  + ("; no finite element)" if s.get("finite_min") is None else
+                     f"; finite range [{_fmt(_num(s.get('finite_min')))}, {_fmt(_num(s.get('finite_max')))}])"))
     tail = "; GradScaler skipped the update (handled)" if inc.get("handled_by_scaler") else ""
     return (f"non-finite {what} '{inc.get('name', '?')}' at step {inc.get('step')}, phase {inc.get('phase', '?')}, "
             f"rank {inc.get('rank', '?')}{counts}; {cause}{tail}")
@@ -441,7 +442,7 @@ def _preceding_lines(p: dict, step) -> list:
         lines.append(_series_line(label, p[key]))
     findings = []
     if p["grad_norm_growth"] is not None:
-        grew = f"grad norm grew {p['grad_norm_growth']:.3g}x over the window"
+        grew = f"grad norm grew {p['grad_norm_growth']:.3g}x (last finite value vs the window's smallest)"
         findings.append(grew + (" (>10x: an explosion before the failure)" if p["grad_norm_grew_10x"] else ""))
     if p["grad_norm_nonfinite_before"]:
         findings.append(f"grad norm already non-finite {p['grad_norm']['nonfinite']} time(s) in the window")
@@ -455,8 +456,11 @@ def _preceding_lines(p: dict, step) -> list:
         findings.append("loss scale below 1: gradients overflow FP16 even unscaled")
     if p["lr"]["direction"] is not None:
         ratio = p["lr"]["ratio"]
-        findings.append(f"lr {p['lr']['direction']}" + (f" (x{ratio:.3g})" if ratio not in (None, 1.0) else "")
-                        + (": still warming up?" if p["lr_rising"] else ""))
+        if p["lr"]["direction"] == "flat":
+            findings.append(f"lr constant at {_fmt(p['lr']['last'])}")
+        else:
+            findings.append(f"lr {p['lr']['direction']}" + (f" (x{ratio:.3g})" if ratio is not None else "")
+                            + (": still warming up?" if p["lr_rising"] else ""))
     if p["loss_rising"]:
         findings.append(f"loss rising ({_fmt(p['loss']['first'])} -> {_fmt(p['loss']['last'])})")
     if p["skipped_in_window"]:
@@ -466,14 +470,20 @@ def _preceding_lines(p: dict, step) -> list:
 
 
 def _anomaly_lines(label: str, a: dict) -> list:
-    tail = " -- handled by GradScaler (update skipped, loss and forward finite)" if a["handled_by_scaler"] else ""
+    tail = " -- handled by GradScaler (update skipped, only gradients overflowed)" if a["handled_by_scaler"] else ""
     lines = [f"{label}: step {a['step']}: {CRITERIA.get(a['criterion'], a['criterion'])}"
              + (f" (also: {', '.join(CRITERIA[c] for c in a['criteria'][1:])})" if len(a["criteria"]) > 1 else "")
              + tail]
-    for inc in a.get("incidents") or []:
-        lines.append(f"  incident: {incident_text(inc['incident'])}")
-        if inc.get("bundle"):
-            lines.append(f"  bundle: {inc['bundle']}  (nanscan show / replay / bisect it)")
+    incs = a.get("incidents") or []
+    if incs:  # the first in phase order is where it started; the rest usually followed from it
+        lines.append(f"  incident: {incident_text(incs[0]['incident'])}")
+        if len(incs) > 1:
+            lines.append("  then, same step: " + "; ".join(
+                f"{i['incident'].get('kind', '?')} '{i['incident'].get('name', '?')}' ({i['incident'].get('phase', '?')})"
+                for i in incs[1:6]) + (f"; ... ({len(incs) - 6} more)" if len(incs) > 6 else ""))
+        bundles = list(dict.fromkeys(i["bundle"] for i in incs if i.get("bundle")))
+        for b in bundles:
+            lines.append(f"  bundle: {b}  (nanscan show / replay / bisect it)")
     return lines
 
 
@@ -647,7 +657,7 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
         if idx:  # sparse: only bars that exist, so a long clean run costs nothing here
             any_nf = True
             ax_nf.bar([steps[i] + (k - 1.5) * width / 4 for i in idx], [counts[i] for i in idx],
-                      width=width / 4, color=colors[p], label=p, log=True)
+                      width=width / 4, color=colors[p], label=p, log=True, zorder=3)  # above the step lines
     if any_nf:
         ax_nf.set_ylim(bottom=0.5)
     else:
@@ -686,7 +696,7 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
         else:
             text = f"step {focus['step']}: {CRITERIA.get(focus['criterion'], focus['criterion'])}"
         for ax in axes:
-            ax.axvline(focus["step"], color="#d62728", lw=1.8,
+            ax.axvline(focus["step"], color="#d62728", lw=1.8, alpha=0.85, zorder=2,
                        label="incident" if ax is ax_loss and incs else ("first anomaly" if ax is ax_loss else None))
         left = bool(span) and focus["step"] - steps[0] > 0.35 * span  # text on the side with room
         ax_loss.annotate(text, xy=(focus["step"], 1.0), xycoords=ax_loss.get_xaxis_transform(),
