@@ -1,5 +1,5 @@
-"""A training step of a small GPT (4 layers, d=256, seq 128, batch 8) with and without
-nanscan.watch (activations + grads + params, every step), eager; ratio = overhead."""
+"""A training step with and without nanscan.watch (activations + grads + params, every step),
+eager and compiled; ratio = overhead."""
 import pytest
 import torch
 from torch.nn import functional as F
@@ -8,20 +8,26 @@ import nanscan
 from benchmarks.models import GPT
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GROUP = "train step gpt 4x256 (eager)"
+# CPU: the issue's small GPT (4 layers, d=256, seq 128, batch 8). GPU: GPT-2 small (12 layers,
+# d=768, vocab 50257, seq 512, batch 8) in bf16 autocast, the size the always-on targets are about.
+CONFIG = (dict(vocab=50257, d=768, layers=12, heads=12, seq=512) if DEVICE == "cuda"
+          else dict(vocab=1024, d=256, layers=4, heads=4, seq=128))
+NAME = "gpt2-small bf16" if DEVICE == "cuda" else "gpt 4x256"
+GROUP = f"train step {NAME} (eager)"
 
 
 def make():
     torch.manual_seed(0)
-    model = GPT().to(DEVICE)
+    model = GPT(**CONFIG).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    idx = torch.randint(0, 1024, (8, 128), device=DEVICE)
+    idx = torch.randint(0, CONFIG["vocab"], (8, CONFIG["seq"]), device=DEVICE)
     return model, opt, idx
 
 
 def step(model, opt, idx, mon=None):
-    logits = model(idx)
-    loss = F.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+        logits = model(idx)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
     if mon is not None:
         mon.check_loss(loss)
     loss.backward()
@@ -48,7 +54,7 @@ def test_step_with_watch(run_bench, mode):
         run_bench(watched, GROUP, f"train step + watch({mode})")
 
 
-GROUP_COMPILED = "train step gpt 4x256 (compiled)"
+GROUP_COMPILED = f"train step {NAME} (compiled)"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """summarize vs torch.sum (the one-read-pass floor) vs the naive composite; summarize_many over
-GPT-2-small parameter shapes vs torch._foreach_norm and a Python loop of summarize (DESIGN §7).
+GPT-2-small parameter shapes vs torch._foreach_norm, GradScaler's fused non-finite check and a
+Python loop of summarize (DESIGN §7). Each benchmark records bytes read in extra_info so that
+benchmarks/results_table.py can turn medians into GB/s.
 
 CPU: 16M-element tensors (64 MiB in fp32: past the caches). GPU: 1 GiB tensors (L2 is 60 MB).
 """
@@ -30,14 +32,18 @@ def gpt2_small_shapes():
     return shapes + [(d,), (d,)]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+DTYPES = ["float32", "bfloat16"] + (["float16"] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture(scope="module", params=DTYPES)
 def big(request):
     gen = torch.Generator().manual_seed(0)
     return torch.randn(NUMEL, generator=gen).to(getattr(torch, request.param)).to(DEVICE)
 
 
 def test_sum_baseline(big, run_bench):
-    run_bench(lambda: big.sum(), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M", "torch.sum", baseline=True)
+    run_bench(lambda: big.sum(), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M", "torch.sum", baseline=True,
+              bytes_read=big.numel() * big.element_size())
 
 
 def test_naive_composite(big, run_bench):
@@ -47,7 +53,7 @@ def test_naive_composite(big, run_bench):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_summarize(big, run_bench, backend):
     run_bench(lambda: nanscan.record(big, backend=backend), f"single {str(big.dtype)[6:]} {NUMEL >> 20}M",
-              f"nanscan.record[{backend}]")
+              f"nanscan.record[{backend}]", bytes_read=big.numel() * big.element_size())
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +67,15 @@ GROUP_MANY = "many: gpt2-small params"
 
 def test_foreach_norm_baseline(params, run_bench):
     run_bench(lambda: torch._foreach_norm(params), GROUP_MANY, "torch._foreach_norm", baseline=True)
+
+
+def test_amp_unscale_baseline(params, run_bench):
+    """What GradScaler runs every step: a non-finite check fused with the unscale (no norms)."""
+    grads = [p.clone() for p in params]
+    found_inf = torch.zeros(1, device=DEVICE)
+    inv_scale = torch.ones(1, device=DEVICE)
+    run_bench(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale), GROUP_MANY,
+              "torch._amp_foreach_non_finite_check_and_unscale_")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

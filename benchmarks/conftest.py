@@ -37,9 +37,9 @@ def pytest_terminal_summary(terminalreporter, config):
     tr.section("nanscan ratios (median time / baseline median, same run)")
     tr.write_line(f"machine: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
                   f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    tr.write_line(f"{'group':<28} {'candidate':<36} {'median ms':>10} {'ratio':>7}  baseline")
+    tr.write_line(f"{'group':<32} {'candidate':<50} {'median ms':>10} {'ratio':>7}  baseline")
     for group, label, median, ratio, base in rows:
-        tr.write_line(f"{group:<28} {label:<36} {median * 1e3:>10.3f} {ratio:>7.2f}  {base}")
+        tr.write_line(f"{group:<32} {label:<50} {median * 1e3:>10.3f} {ratio:>7.2f}  {base}")
 
 
 @pytest.fixture
@@ -47,9 +47,12 @@ def run_bench(benchmark):
     """run_bench(fn, group, label, baseline=False): time fn (synchronizing CUDA inside the timed
     function so the median covers the kernels, not just the launches)."""
 
-    def run(fn, group, label, baseline=False):
+    def run(fn, group, label, baseline=False, bytes_read=None):
         benchmark.group = group
-        benchmark.extra_info.update(label=label, role="baseline" if baseline else "candidate")
+        benchmark.extra_info.update(label=label, role="baseline" if baseline else "candidate",
+                                    device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+        if bytes_read is not None:
+            benchmark.extra_info["bytes_read"] = int(bytes_read)
         if torch.cuda.is_available():
             def timed():
                 out = fn()
