@@ -129,9 +129,18 @@ def require_library() -> None:
         raise LOAD_ERROR
 
 
+_CUDA_REGISTERED: Optional[bool] = None
+
+
 def has_cuda_kernels() -> bool:
-    """Whether the loaded library registered its CUDA kernels (i.e. CUDA was compiled in)."""
-    return LOAD_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key("nanscan::summarize", "CUDA")
+    """Whether the loaded library registered its CUDA kernels (i.e. CUDA was compiled in). Asked of
+    the dispatcher once: backend resolution runs on every summarize call."""
+    global _CUDA_REGISTERED
+    if LOAD_ERROR is not None:
+        return False
+    if _CUDA_REGISTERED is None:
+        _CUDA_REGISTERED = torch._C._dispatch_has_kernel_for_dispatch_key("nanscan::summarize", "CUDA")
+    return _CUDA_REGISTERED
 
 
 def triton_usable() -> bool:

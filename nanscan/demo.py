@@ -68,6 +68,8 @@ def tensor_table() -> None:
 
 
 class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal multi-head attention (SDPA) and a GELU MLP."""
+
     def __init__(self, d: int, heads: int):
         super().__init__()
         self.heads = heads
