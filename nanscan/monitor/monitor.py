@@ -27,9 +27,7 @@ Hooks only record between ``mon.step()`` enter and exit, and only on sampled ste
 from __future__ import annotations
 
 import contextlib
-import copy
 import fnmatch
-import os
 import warnings
 import weakref
 from typing import Any, Iterable, Optional
@@ -39,6 +37,7 @@ import torch
 from nanscan.monitor import distributed
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
+from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records
@@ -105,14 +104,13 @@ class Monitor:
         self.backend = backend
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
-        self.bundle_path: Optional[str] = None  # the bundle written at the first reported incident
         self.steplog: Optional[StepLog] = None
-        self._captures: dict = {}  # step -> (batch clone, pre-step RNG, autocast, pre-update state)
         self.step_index = 0
         self.incidents: list = []
         self.ledger = Ledger()
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
+        self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
         self._module_names = {m: (n or ROOT) for n, m in model.named_modules()}
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_module = {id(p): (n.rpartition(".")[0] or ROOT) for n, p in self._params}
@@ -207,10 +205,8 @@ class Monitor:
             if torch.compiler.is_compiling():
                 self._traced_write(self._row_of[name][0], _first_tensor((args, kwargs)))
                 return None
-            if name == ROOT and self.step_index in self._captures:  # autocast as the forward sees it
-                from nanscan.capture.bundle import autocast_state
-
-                self._captures[self.step_index]["autocast"] = autocast_state()
+            if name == ROOT:
+                self._capturer.note_autocast(self.step_index)
             inputs = []
             for label, t in list(_tensors(args, "input")) + list(_tensors(kwargs, "input")):
                 index = self._lookup(t)
@@ -343,7 +339,7 @@ class Monitor:
         self._known.clear()
         self._reset_traced()
         if self.capture_dir is not None and self._active:
-            self._remember_step_inputs(batch)
+            self._capturer.remember(self.step_index, batch)
         self._inputs_of = {}
         self._forward_inputs_of.clear()
         self._outputs_of.clear()
@@ -362,24 +358,6 @@ class Monitor:
         else:
             self._end_step(raise_incident=True)
 
-    def _remember_step_inputs(self, batch) -> None:
-        """What a bundle needs from *before* the step: the batch (independent clones, so later
-        in-place edits do not reach the bundle), the RNG states, and -- only with
-        ``keep_pre_update_state`` -- a copy of model / optimizer / scaler state. Two steps are kept:
-        async mode and update-phase incidents are reported one step late."""
-        from nanscan.capture import bundle as B
-
-        pre_state = None
-        if self.keep_pre_update_state:
-            pre_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                         copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-                         copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
-        self._captures[self.step_index] = {
-            "batch": B.clone_batch(batch) if batch is not None else None, "rng": B.capture_rng(),
-            "autocast": B.autocast_state(), "pre_state": pre_state, "training": self.model.training}
-        for old in [k for k in self._captures if k < self.step_index - 1]:
-            del self._captures[old]
-
     def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
                 step: Optional[int] = None) -> str:
         """Write the bundle of ``step`` (default: the incident's step, else the current one) into
@@ -388,49 +366,17 @@ class Monitor:
         capture_dir = capture_dir or self.capture_dir
         if capture_dir is None:
             raise ValueError("nanscan: no capture_dir was given (watch(..., capture_dir=...) or guard(capture_dir=...))")
-        step = step if step is not None else (incident.step if incident is not None else self.step_index)
-        if not self._captures and self.capture_dir is None:
+        if self.capture_dir is None:
             raise RuntimeError("nanscan: the monitor kept no batch / RNG (it was created without capture_dir), "
                                "so no bundle can be written for this step")
-        return self._write_capture(incident, capture_dir, step)
+        step = step if step is not None else (incident.step if incident is not None else self.step_index)
+        return self._capturer.write(incident, capture_dir, step, current_step=self.step_index,
+                                    applied_this_step=self._applied_this_step)
 
-    def _capture(self, incident: Incident) -> Optional[str]:
-        """At the first reported incident: write its step's bundle (once per monitor)."""
-        if self.capture_dir is None or self.bundle_path is not None:
-            return None
-        return self._write_capture(incident, self.capture_dir, incident.step)
-
-    def _write_capture(self, incident: Optional[Incident], capture_dir: str, step: int) -> str:
-        from nanscan.capture import bundle as B
-
-        saved = self._captures.get(step)
-        if saved is None:
-            raise RuntimeError(f"nanscan: nothing was kept for step {step}, cannot write its bundle")
-        if saved["batch"] is None:
-            warnings.warn("nanscan: the bundle has no batch: pass it to mon.step(batch) to make it replayable",
-                          RuntimeWarning, stacklevel=4)
-        pre = saved["pre_state"]
-        # Before the update when the check ran before optimizer.step (sync mode, non-update phases)
-        # or when the pre-update state was kept; otherwise honestly "after-update".
-        if pre is not None:
-            before = True
-        elif incident is not None:
-            before = self.mode == "sync" and incident.phase != "update" and step == self.step_index
-        else:  # guard: a step that failed on its own; the update ran only if its hook fired
-            before = step == self.step_index and not self._applied_this_step
-        model_state, opt_state, scaler_state = pre if pre is not None else (
-            self.model.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None,
-            self.scaler.state_dict() if self.scaler is not None else None)
-        path = os.path.join(capture_dir, f"step{step:06d}-rank{self.rank}")
-        self._bundle_step = step
-        self.bundle_path = B.write_bundle(
-            path, batch=saved["batch"] or {"args": [], "kwargs": {}, "single": False}, rng=saved["rng"],
-            model_state=model_state, optimizer_state=opt_state, scaler_state=scaler_state,
-            state_when="before-update" if before else "after-update", training=saved["training"],
-            autocast=saved["autocast"], precision=B.model_precision(self.model),
-            incident=incident.to_dict() if incident is not None else None,
-            step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
-        return self.bundle_path
+    @property
+    def bundle_path(self) -> Optional[str]:
+        """The bundle written at the first reported incident (or by :func:`nanscan.guard`), or None."""
+        return self._capturer.bundle_path
 
     def _reset_traced(self) -> None:
         """(Re)allocate the traced buffer on the model's device and mark every row unwritten."""
@@ -641,7 +587,8 @@ class Monitor:
             return
         capture_error = None
         try:
-            self._capture(report)
+            if self.capture_dir is not None and self.bundle_path is None:  # the first reported incident
+                self.capture(report)
         except Exception as e:  # the incident stays the primary finding; the capture failure is attached
             capture_error = e
             warnings.warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
@@ -662,7 +609,7 @@ class Monitor:
     def _log_incidents(self, incidents) -> None:
         if self.steplog is not None:
             for inc in incidents:
-                self.steplog.incident(inc, self.bundle_path if inc.step == getattr(self, "_bundle_step", None) else None)
+                self.steplog.incident(inc, self.bundle_path if inc.step == self._capturer.bundle_step else None)
 
     def _check_hooks_ran(self, slots, step) -> None:
         """A step with a loss or gradients but no module output means the forward hooks did not
