@@ -373,3 +373,58 @@ def test_hooks_added_after_compile_are_refused_not_silently_ignored():
     mon = nanscan.watch(model, opt)
     with pytest.raises(RuntimeError, match="watch\\(model\\) first, then torch.compile"), mon:
         train(compiled, mon, 1, lambda i: torch.randn(4, 8), opt)
+
+
+class Odd(nn.Module):
+    """Shapes of real models: a shared submodule called twice, tuple / dict outputs, keyword
+    tensors, an integer output, and a buffer updated in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.pair = Pair()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x, *, scale=None):
+        h = self.shared(self.shared(x))
+        a, b = self.pair(h, bias=scale)
+        self.count += 1
+        return {"out": a["y"] + b, "argmax": a["y"].argmax(-1)}
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.fault = False
+
+    def forward(self, h, bias=None):
+        y = self.lin(h) + (bias if bias is not None else 0)
+        if self.fault:
+            y = y / 0.0 * 0.0  # NaN made here
+        return {"y": y}, torch.relu(y)
+
+
+def test_odd_module_shapes_and_inference_steps():
+    torch.manual_seed(0)
+    model = Odd()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt) as mon:
+        for i in range(3):
+            model.pair.fault = i == 2
+            with mon.step():
+                if i == 1:  # an evaluation step inside the loop: no grads, no update
+                    model.eval()
+                    with torch.no_grad():
+                        model(torch.randn(2, 8), scale=torch.ones(8))
+                    model.train()
+                    continue
+                try:
+                    out = model(torch.randn(2, 8), scale=torch.ones(8))
+                    mon.check_loss(out["out"].sum()).backward()
+                    opt.step()
+                    opt.zero_grad()
+                except nanscan.NonFiniteError as e:
+                    inc = e.incident
+    assert (inc.step, inc.phase, inc.name, inc.produced) == (2, "forward", "pair[0].y", True)
+    assert mon.ledger.applied == 1 and mon.step_index == 3
