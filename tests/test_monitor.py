@@ -428,3 +428,41 @@ def test_odd_module_shapes_and_inference_steps():
                     inc = e.incident
     assert (inc.step, inc.phase, inc.name, inc.produced) == (2, "forward", "pair[0].y", True)
     assert mon.ledger.applied == 1 and mon.step_index == 3
+
+
+def test_compiled_path_checks_several_outputs_of_a_module():
+    class TwoOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.fault = False
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y, (torch.log(y - 100.0) if self.fault else y * 2)
+
+    class Net2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.two = TwoOut()
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            a, b = self.two(x)
+            return self.head(a) + b.sum(-1, keepdim=True) * 0.0
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net2()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nanscan.watch(model, opt)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+
+    def batch(i):
+        model.two.fault = i == 1
+        return torch.randn(4, 8)
+
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        train(compiled, mon, 3, batch, opt)
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.produced) == (1, "forward", "two[output 1]", True)

@@ -66,6 +66,10 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+# On the torch.compile path each module owns one input row and this many output rows.
+_TRACED_OUTPUTS = 4
+
+
 # Columns of the traced buffer (used inside torch.compile graphs): the record, the execution
 # sequence number (0 = not written this step), numel, and a dtype code.
 _SEQ, _NUMEL, _DTYPE = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2
@@ -116,11 +120,13 @@ class Monitor:
         self._param_module = {id(p): (n.rpartition(".")[0] or ROOT) for n, p in self._params}
         # torch.compile path: each module owns two static rows (input, output) of a device buffer
         # that traced hooks write into; a device counter stamps the execution order.
-        self._row_of = {name: (2 * i, 2 * i + 1) for i, name in enumerate(self._module_names.values())}
+        stride = 1 + _TRACED_OUTPUTS
+        self._row_of = {name: stride * i for i, name in enumerate(self._module_names.values())}
         self._row_info = {}
-        for name, (r_in, r_out) in self._row_of.items():
+        for name, r_in in self._row_of.items():
             self._row_info[r_in] = (f"{name}.input", False, None)
-            self._row_info[r_out] = (name, True, r_in)
+            for k in range(_TRACED_OUTPUTS):
+                self._row_info[r_in + 1 + k] = (name if k == 0 else f"{name}[output {k}]", True, r_in)
         self._traced: Optional[torch.Tensor] = None
         self._seq: Optional[torch.Tensor] = None
         self._handles: list = []
@@ -203,7 +209,7 @@ class Monitor:
             if not self._active:
                 return None
             if torch.compiler.is_compiling():
-                self._traced_write(self._row_of[name][0], _first_tensor((args, kwargs)))
+                self._traced_write(self._row_of[name], _first_tensor((args, kwargs)))
                 return None
             if name == ROOT:
                 self._capturer.note_autocast(self.step_index)
@@ -224,7 +230,10 @@ class Monitor:
             if not self._active:
                 return None
             if torch.compiler.is_compiling():
-                self._traced_write(self._row_of[name][1], _first_tensor(output))
+                for k, (_, t) in enumerate(_tensors(output, "")):
+                    if k == _TRACED_OUTPUTS:
+                        break
+                    self._traced_write(self._row_of[name] + 1 + k, t)
                 return None
             inputs = self._inputs_of.pop(module, [])
             self._forward_inputs_of[name] = inputs
@@ -245,9 +254,9 @@ class Monitor:
     def _traced_write(self, row: int, t: Optional[torch.Tensor]) -> None:
         """Inside a torch.compile graph: only tensor ops (no Python bookkeeping), so the hook is
         traced into the graph with no break. The record lands in a static row with its execution
-        sequence number; the host decodes the rows with the step's single copy. Only the first
-        floating tensor of a module's inputs / outputs is checked on this path, and its shape is
-        reported flattened."""
+        sequence number; the host decodes the rows with the step's single copy. On this path a
+        module's first floating input and its first four floating outputs are checked, and shapes
+        are reported flattened."""
         if t is None or self._traced is None:
             return
         row_view = self._traced[row]
