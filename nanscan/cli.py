@@ -44,6 +44,19 @@ def info() -> dict:
 
 
 def main(argv=None) -> int:
+    """Expected failures (a path that is not a bundle or log, a tampered bundle, a bad --model) are
+    reported as one line on stderr with exit status 2; anything else keeps its traceback."""
+    from nanscan import ExtensionError
+    from nanscan.capture.bundle import BundleError
+
+    try:
+        return _main(argv)
+    except (BundleError, ExtensionError, FileNotFoundError, ValueError) as e:
+        print(f"nanscan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="nanscan", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, usable backends, what was compiled")

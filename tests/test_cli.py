@@ -32,3 +32,10 @@ def test_demo_walks_through_the_incident(tmp_path):
     report = run("report", str(tmp_path / "events.jsonl"), "-o", str(tmp_path / "r.png"))
     assert report.returncode == 0 and "step 14" in report.stdout
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_errors_are_one_line_not_a_traceback(tmp_path):
+    for args, expected in [(("show", str(tmp_path)), "is not a nanscan bundle"),
+                           (("report", str(tmp_path / "missing.jsonl")), "does not exist")]:
+        out = run(*args)
+        assert out.returncode == 2 and expected in out.stderr and "Traceback" not in out.stderr
