@@ -10,11 +10,12 @@
 // sum of squares included -- is bitwise identical for any number of threads. Extra memory is one
 // Partial per chunk, O(numel / kChunk).
 //
-// Contiguous fp64 / fp32 / fp16 / bf16 chunks take a vectorized path (at::vec) that assumes the
-// chunk is clean and proves it afterwards (see VecState); a chunk holding a NaN / Inf is rescanned
-// by the scalar path, which classifies NaN / +Inf / -Inf and finds the first index. Everything
-// else (strided layouts, float8, integers, bool) uses the scalar path, which walks logical row-major
-// indices so first_nonfinite_index is logical for any strides (transposed, expanded, channels_last).
+// fp64 / fp32 / fp16 / bf16 chunks of contiguous or dense permuted (transposed, channels_last)
+// tensors take a vectorized path (at::vec) over memory that assumes the chunk is clean and proves
+// it afterwards (see VecState); a chunk holding a NaN / Inf is rescanned by the scalar path, which
+// classifies NaN / +Inf / -Inf and maps the memory offset of each to its logical index (LogicalOf).
+// Everything else (steps, expanded dims, overlap, float8, integers, bool) uses the scalar path; for
+// non-dense strides it walks logical row-major indices directly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
@@ -61,8 +62,14 @@ template <typename scalar_t>
 constexpr bool kVectorized = std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float> ||
                              std::is_same_v<scalar_t, c10::Half> || std::is_same_v<scalar_t, c10::BFloat16>;
 
-template <typename acc_t>
-inline void note_nonfinite(Partial<acc_t>& p, acc_t v, int64_t index) {
+// Maps the position a loop walks (a memory offset for dense permuted tensors) to the logical
+// row-major index first_nonfinite_index is defined on. Only called for non-finite elements.
+struct Identity {
+  int64_t operator()(int64_t i) const { return i; }
+};
+
+template <typename acc_t, typename Map = Identity>
+inline void note_nonfinite(Partial<acc_t>& p, acc_t v, int64_t index, const Map& map = Map{}) {
   if (std::isnan(v)) {
     ++p.nan;
   } else if (v > 0) {
@@ -70,13 +77,13 @@ inline void note_nonfinite(Partial<acc_t>& p, acc_t v, int64_t index) {
   } else {
     ++p.neginf;
   }
-  p.first = std::min(p.first, index);
+  p.first = std::min(p.first, map(index));
 }
 
-template <typename acc_t>
-inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index) {
+template <typename acc_t, typename Map = Identity>
+inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index, const Map& map = Map{}) {
   if (!std::isfinite(v)) {
-    note_nonfinite(p, v, index);
+    note_nonfinite(p, v, index, map);
     return;
   }
   p.zero += (v == 0);
@@ -89,13 +96,13 @@ inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index) {
 // sum over a 64K chunk loses ~1e-4 relative accuracy, two levels of 256 stay near 1e-6.
 constexpr int64_t kBlock = 256;
 
-template <typename scalar_t, typename Load>
-void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load load) {
+template <typename scalar_t, typename Load, typename Map = Identity>
+void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load load, const Map& map = Map{}) {
   using acc_t = cmp_t<scalar_t>;
   for (int64_t b = begin; b < end; b += kBlock) {
     Partial<acc_t> block;
     const int64_t e = std::min(end, b + kBlock);
-    for (int64_t i = b; i < e; ++i) accumulate(block, static_cast<acc_t>(load(i)), i);
+    for (int64_t i = b; i < e; ++i) accumulate(block, static_cast<acc_t>(load(i)), i, map);
     p.merge(block);
   }
 }
@@ -105,6 +112,12 @@ void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load l
 struct Geometry {
   std::vector<int64_t> sizes, strides;  // outermost first
   bool contiguous = false;
+  // Dense but permuted (transposed, channels_last): the elements fill [data, data + numel) in
+  // some order, so the loops read memory linearly -- vectorized -- and only a non-finite
+  // element's memory offset is mapped back to its logical index, with (memory stride, logical
+  // stride) pairs sorted by memory stride, outermost first.
+  bool dense = false;
+  std::vector<std::pair<int64_t, int64_t>> memory_order;
 
   explicit Geometry(const at::Tensor& t) {
     for (int64_t d = 0; d < t.dim(); ++d) {
@@ -118,6 +131,28 @@ struct Geometry {
       }
     }
     contiguous = sizes.empty() || (sizes.size() == 1 && strides[0] == 1);
+    dense = !contiguous && t.is_non_overlapping_and_dense();
+    if (dense) {
+      int64_t logical = 1;
+      for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+        memory_order.emplace_back(strides[d], logical);
+        logical *= sizes[d];
+      }
+      std::sort(memory_order.begin(), memory_order.end(), [](auto a, auto b) { return a.first > b.first; });
+    }
+  }
+};
+
+struct LogicalOf {
+  const Geometry* g;
+  int64_t operator()(int64_t offset) const {
+    int64_t logical = 0;
+    for (const auto& [memory_stride, logical_stride] : g->memory_order) {
+      const int64_t q = offset / memory_stride;
+      offset -= q * memory_stride;
+      logical += q * logical_stride;
+    }
+    return logical;
   }
 };
 
@@ -214,8 +249,9 @@ struct VecState {
   }
 };
 
-template <typename scalar_t>
-void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p) {
+template <typename scalar_t, typename Map = Identity>
+void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p,
+                     const Map& map = Map{}) {
   using acc_t = cmp_t<scalar_t>;
   auto load = [&](int64_t i) { return data[i]; };
   if constexpr (kVectorized<scalar_t>) {
@@ -252,11 +288,11 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     if (VecState<acc_t>::flush(states, vec_part)) {
       p.merge(vec_part);
     } else {
-      scan_scalar<scalar_t>(begin, vec_end, p, load);  // a NaN, an Inf, or an FP32 overflow
+      scan_scalar<scalar_t>(begin, vec_end, p, load, map);  // a NaN, an Inf, or an FP32 overflow
     }
-    scan_scalar<scalar_t>(vec_end, end, p, load);
+    scan_scalar<scalar_t>(vec_end, end, p, load, map);
   } else {
-    scan_scalar<scalar_t>(begin, end, p, load);
+    scan_scalar<scalar_t>(begin, end, p, load, map);
   }
 }
 
@@ -266,6 +302,8 @@ void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t e
   const scalar_t* data = t.const_data_ptr<scalar_t>();
   if (g.contiguous) {
     scan_contiguous(data, begin, end, p);
+  } else if (g.dense) {
+    scan_contiguous(data, begin, end, p, LogicalOf{&g});
   } else {
     scan_strided(data, g, begin, end, p);
   }
