@@ -87,3 +87,31 @@ def test_summarize_many(params, run_bench, backend):
 def test_python_loop_of_summarize(params, run_bench, backend):
     run_bench(lambda: [nanscan.record(p, backend=backend) for p in params], GROUP_MANY,
               f"loop of nanscan.record[{backend}]")
+
+
+GROUP_LAYOUT = "layouts fp32 16M"
+
+
+@pytest.fixture(scope="module")
+def square():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(4096, 4096, generator=gen).to(DEVICE)
+
+
+def test_layout_contiguous_baseline(square, run_bench):
+    run_bench(lambda: nanscan.record(square), GROUP_LAYOUT, "nanscan.record, contiguous", baseline=True)
+
+
+def test_layout_transposed(square, run_bench):
+    t = square.t()
+    run_bench(lambda: nanscan.record(t), GROUP_LAYOUT, "nanscan.record, transposed view")
+
+
+def test_layout_channels_last(square, run_bench):
+    cl = square.reshape(16, 64, 128, 128).contiguous(memory_format=torch.channels_last)
+    run_bench(lambda: nanscan.record(cl), GROUP_LAYOUT, "nanscan.record, channels_last")
+
+
+def test_layout_step_sliced(square, run_bench):
+    sliced = square[:, ::2]  # not dense: the strided path (half the elements)
+    run_bench(lambda: nanscan.record(sliced), GROUP_LAYOUT, "nanscan.record, [:, ::2] (8M, strided)")
