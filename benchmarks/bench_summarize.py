@@ -115,3 +115,20 @@ def test_layout_channels_last(square, run_bench):
 def test_layout_step_sliced(square, run_bench):
     sliced = square[:, ::2]  # not dense: the strided path (half the elements)
     run_bench(lambda: nanscan.record(sliced), GROUP_LAYOUT, "nanscan.record, [:, ::2] (8M, strided)")
+
+
+GROUP_QVIEW = "q view of a fused qkv, fp32 16M"
+
+
+@pytest.fixture(scope="module")
+def q_view():
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(4096, 3 * 4096, generator=gen).to(DEVICE)[:, :4096]  # rows contiguous, gaps between
+
+
+def test_q_view_sum_baseline(q_view, run_bench):
+    run_bench(lambda: q_view.sum(), GROUP_QVIEW, "torch.sum of the view", baseline=True)
+
+
+def test_q_view_record(q_view, run_bench):
+    run_bench(lambda: nanscan.record(q_view), GROUP_QVIEW, "nanscan.record of the view")

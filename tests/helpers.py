@@ -86,6 +86,7 @@ def layouts(base: torch.Tensor):
     yield "contiguous", base
     yield "transposed", base.reshape(12, n // 12).t()
     yield "step_sliced", base.reshape(n // 12, 12)[::2, 1::3]
+    yield "column_slice", base.reshape(n // 12, 12)[:, 2:11]  # contiguous runs with gaps (q/k/v views)
     yield "expanded", base[: n // 12].reshape(n // 12, 1).expand(n // 12, 5)
     if n % 24 == 0:
         yield "channels_last", base.reshape(n // 24, 2, 3, 4).contiguous(memory_format=torch.channels_last)

@@ -156,38 +156,6 @@ struct LogicalOf {
   }
 };
 
-template <typename scalar_t>
-void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_t end,
-                  Partial<cmp_t<scalar_t>>& p) {
-  using acc_t = cmp_t<scalar_t>;
-  const int64_t nd = static_cast<int64_t>(g.sizes.size());
-  if (nd == 0) {  // 0-dim or all-ones shape: a single element
-    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[0]), i);
-    return;
-  }
-  std::vector<int64_t> counter(nd);
-  int64_t rest = begin;
-  for (int64_t d = nd - 1; d >= 0; --d) {
-    counter[d] = rest % g.sizes[d];
-    rest /= g.sizes[d];
-  }
-  const int64_t inner_stride = g.strides[nd - 1];
-  int64_t index = begin;
-  while (index < end) {
-    int64_t offset = 0;
-    for (int64_t d = 0; d < nd; ++d) offset += counter[d] * g.strides[d];
-    const int64_t run = std::min(g.sizes[nd - 1] - counter[nd - 1], end - index);
-    const scalar_t* row = data + offset - index * inner_stride;  // row[i * inner_stride], i logical
-    scan_scalar<scalar_t>(index, index + run, p, [&](int64_t i) { return row[i * inner_stride]; });
-    index += run;
-    counter[nd - 1] += run;
-    for (int64_t d = nd - 1; d > 0 && counter[d] == g.sizes[d]; --d) {
-      counter[d] = 0;
-      ++counter[d - 1];
-    }
-  }
-}
-
 // A comparison mask (all-one bits in true lanes) reinterpreted as integers, i.e. -1 where true.
 // at::vec's generic cast goes through memory; on AVX2 this is a free register bitcast.
 template <typename acc_t>
@@ -293,6 +261,44 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     scan_scalar<scalar_t>(vec_end, end, p, load, map);
   } else {
     scan_scalar<scalar_t>(begin, end, p, load, map);
+  }
+}
+
+template <typename scalar_t>
+void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_t end,
+                  Partial<cmp_t<scalar_t>>& p) {
+  using acc_t = cmp_t<scalar_t>;
+  const int64_t nd = static_cast<int64_t>(g.sizes.size());
+  if (nd == 0) {  // 0-dim or all-ones shape: a single element
+    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[0]), i);
+    return;
+  }
+  std::vector<int64_t> counter(nd);
+  int64_t rest = begin;
+  for (int64_t d = nd - 1; d >= 0; --d) {
+    counter[d] = rest % g.sizes[d];
+    rest /= g.sizes[d];
+  }
+  const int64_t inner_stride = g.strides[nd - 1];
+  int64_t index = begin;
+  while (index < end) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < nd; ++d) offset += counter[d] * g.strides[d];
+    const int64_t run = std::min(g.sizes[nd - 1] - counter[nd - 1], end - index);
+    const scalar_t* row = data + offset - index * inner_stride;  // row[i * inner_stride], i logical
+    if (inner_stride == 1) {
+      // Rows that are contiguous but not adjacent (x[:, a:b], the q / k / v views of a fused
+      // projection): each run takes the vectorized path, indexed by its logical positions.
+      scan_contiguous(row, index, index + run, p);
+    } else {
+      scan_scalar<scalar_t>(index, index + run, p, [&](int64_t i) { return row[i * inner_stride]; });
+    }
+    index += run;
+    counter[nd - 1] += run;
+    for (int64_t d = nd - 1; d > 0 && counter[d] == g.sizes[d]; --d) {
+      counter[d] = 0;
+      ++counter[d - 1];
+    }
   }
 }
 
