@@ -46,8 +46,9 @@ def examples() -> list:
     ]
 
 
-def fmt(v) -> str:
-    return "none" if v is None else f"{v:.4g}"
+def fmt(v, missing: str = "none") -> str:
+    """A number for the tables: 4 significant digits; nan / inf spelled out; ``missing`` for None."""
+    return missing if v is None else f"{v:.4g}"
 
 
 def tensor_table() -> None:
@@ -125,12 +126,6 @@ def batch_for(step: int, device) -> tuple:
     return x, y
 
 
-def fmt_log(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.4g}" if math.isfinite(v) else str(v)
-
-
 def walkthrough(workdir: str) -> int:
     from nanscan.log import read_events
 
@@ -163,8 +158,8 @@ def walkthrough(workdir: str) -> int:
                     for e in [e for e in read_events(log_path) if e.get("type") == "step"][shown:]:
                         shown += 1
                         bad = {k: v for k, v in (e.get("nonfinite") or {}).items() if v}
-                        print(f"{e['step']:>4} {fmt_log(e.get('loss')):>10} {fmt_log(e.get('grad_norm')):>10} "
-                              f"{fmt_log(e.get('loss_scale')):>11} {fmt_log(e.get('lr')):>8}  "
+                        print(f"{e['step']:>4} {fmt(e.get('loss'), '-'):>10} {fmt(e.get('grad_norm'), '-'):>10} "
+                              f"{fmt(e.get('loss_scale'), '-'):>11} {fmt(e.get('lr'), '-'):>8}  "
                               f"{e.get('update') or '-':<9} {bad or ''}")
     except nanscan.NonFiniteError as e:
         error = e
