@@ -1,10 +1,12 @@
 """A training step with and without nanscan.watch (activations + grads + params, every step),
-eager and compiled; ratio = overhead."""
+eager and compiled; ratio = overhead. And the host-bound model of issue 9 (200x Linear(8,8), batch 1,
+1 thread): watched vs unwatched vs the no-op-hook floor, with host cost in us per module."""
 import pytest
 import torch
 from torch.nn import functional as F
 
 import nanscan
+from benchmarks.host_cost import add_noop_hooks, make_host_bound, train_step
 from benchmarks.models import GPT
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,3 +85,75 @@ def test_compiled_step_with_watch(run_bench, compiled_pair):
 
     watched()  # compile outside the timing
     run_bench(watched, GROUP_COMPILED, "compiled train step + watch(sync)")
+
+
+# Host-bound model (issue 9): 200x Linear(8, 8) at batch 1 on one thread, so the step is almost all
+# host time, which is what sits on a GPU's critical path. Floor: no-op forward pre/post hooks on
+# every module. See benchmarks/host_cost.py (interleaved rounds, table in us per module).
+GROUP_HOST = "train step 200x Linear(8,8), 1 thread (host-bound)"
+N_HOST_MODULES = 201  # len(list(model.modules())): 200 Linear + the Sequential root
+_HOST_MEDIANS = {}  # label -> median s per step, for the per-module summary at session end
+
+
+class _HostCostSummary:
+    """Prints host cost per module over the unwatched step, also in quick mode (a runtime plugin:
+    pytest collects hooks from conftest.py only)."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        base, floor = _HOST_MEDIANS.get("unwatched"), _HOST_MEDIANS.get("no-op hooks (floor)")
+        if base is None:
+            return
+        terminalreporter.section(f"host cost per module ({GROUP_HOST}, {N_HOST_MODULES} modules)")
+        floor_us = (floor - base) / N_HOST_MODULES * 1e6 if floor is not None else None
+        for label, median in _HOST_MEDIANS.items():
+            us = (median - base) / N_HOST_MODULES * 1e6
+            x_floor = f"{us / floor_us:.2f}x floor" if floor_us and label != "unwatched" else ""
+            terminalreporter.write_line(f"{label:<34} {median * 1e6:>9.1f} us/step {us:>8.2f} us/module  {x_floor}")
+
+
+@pytest.fixture
+def host_bound(request):
+    """(model, opt, x) of the host-bound model on DEVICE, with torch.set_num_threads(1) meanwhile."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if not request.config.pluginmanager.has_plugin("nanscan-host-cost"):
+        request.config.pluginmanager.register(_HostCostSummary(), "nanscan-host-cost")
+    model, opt, x = make_host_bound(device=DEVICE)
+    assert len(list(model.modules())) == N_HOST_MODULES
+    yield model, opt, x
+    torch.set_num_threads(threads)
+
+
+def _host_bench(run_bench, benchmark, step, label, baseline=False):
+    run_bench(step, GROUP_HOST, label, baseline=baseline)
+    stats = getattr(benchmark, "stats", None)
+    if stats is not None:  # None under --benchmark-disable
+        _HOST_MEDIANS[label] = stats.stats.median
+        if "unwatched" in _HOST_MEDIANS:
+            benchmark.extra_info["us_per_module"] = (
+                (stats.stats.median - _HOST_MEDIANS["unwatched"]) / N_HOST_MODULES * 1e6)
+
+
+def test_host_step_unwatched(run_bench, benchmark, host_bound):
+    _host_bench(run_bench, benchmark, lambda: train_step(*host_bound), "unwatched", baseline=True)
+
+
+def test_host_step_noop_hooks(run_bench, benchmark, host_bound):
+    handles = add_noop_hooks(host_bound[0])
+    try:
+        _host_bench(run_bench, benchmark, lambda: train_step(*host_bound), "no-op hooks (floor)")
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("every", [1, 1000])
+def test_host_step_watched(run_bench, benchmark, host_bound, every):
+    model, opt, x = host_bound
+    mon = nanscan.watch(model, opt, every=every)
+    try:
+        train_step(model, opt, x)  # the first step is the checked one; with every=1000 the rest are not
+        label = "watched (every step)" if every == 1 else "watched every=1000 (unchecked)"
+        _host_bench(run_bench, benchmark, lambda: train_step(model, opt, x), label)
+    finally:
+        mon.close()

@@ -13,3 +13,13 @@ TORCH_LIBRARY(nanscan, m) {
   m.def("triton_summarize(Tensor x) -> Tensor");
   m.def("triton_summarize_many(Tensor[] xs) -> Tensor");
 }
+
+// Records are statistics, not differentiable values: autograd falls through, so a record never
+// requires grad nor holds a reference to the autograd graph of the tensor it describes, and the
+// monitor's hooks need no .detach() per tensor on the hot path.
+TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
+  m.impl("summarize", torch::CppFunction::makeFallthrough());
+  m.impl("summarize_many", torch::CppFunction::makeFallthrough());
+  m.impl("triton_summarize", torch::CppFunction::makeFallthrough());
+  m.impl("triton_summarize_many", torch::CppFunction::makeFallthrough());
+}

@@ -189,3 +189,18 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
                              f"(see `python -m nanscan info`); use backend='triton' or {REBUILD_HINT} "
                              "with NANSCAN_CUDA=1")
     return chosen
+
+
+def kernels(backend: Optional[str], device: torch.device):
+    """``(summarize one, summarize many)`` callables of the backend chosen for ``device`` (see
+    :func:`resolve_backend`): the one table from backend name to implementation. They do no
+    Python-side validation (the C++ and Triton kernels check their inputs), so callers on a hot
+    path resolve them once per device and call them directly."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "reference":
+        from nanscan.kernels import reference
+
+        return reference.summarize, reference.summarize_many
+    if chosen == "triton":
+        return torch.ops.nanscan.triton_summarize.default, torch.ops.nanscan.triton_summarize_many.default
+    return torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default

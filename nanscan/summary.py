@@ -24,14 +24,7 @@ def _check_tensor(x, op: str) -> torch.Tensor:
 def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """The float64 ``[8]`` record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`)."""
     _check_tensor(x, "nanscan.record")
-    chosen = _ops.resolve_backend(backend, x.device)
-    if chosen == "reference":
-        from nanscan.kernels import reference
-
-        return reference.summarize(x)
-    if chosen == "triton":
-        return torch.ops.nanscan.triton_summarize(x)
-    return torch.ops.nanscan.summarize(x)
+    return _ops.kernels(backend, x.device)[0](x)
 
 
 def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
@@ -45,14 +38,7 @@ def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.
         raise ValueError(f"nanscan.records: all tensors must be on one device, got {sorted(map(str, devices))}")
     if not xs:  # no tensor, no device: the dispatcher could not route the op
         return torch.empty(0, RECORD_SIZE, dtype=torch.float64)
-    chosen = _ops.resolve_backend(backend, xs[0].device)
-    if chosen == "reference":
-        from nanscan.kernels import reference
-
-        return reference.summarize_many(xs)
-    if chosen == "triton":
-        return torch.ops.nanscan.triton_summarize_many(xs)
-    return torch.ops.nanscan.summarize_many(xs)
+    return _ops.kernels(backend, xs[0].device)[1](xs)
 
 
 def _no_meta(x: torch.Tensor, op: str) -> None:

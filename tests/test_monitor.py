@@ -465,4 +465,4 @@ def test_compiled_path_checks_several_outputs_of_a_module():
     with pytest.raises(nanscan.NonFiniteError) as err, mon:
         train(compiled, mon, 3, batch, opt)
     inc = err.value.incident
-    assert (inc.step, inc.phase, inc.name, inc.produced) == (1, "forward", "two[output 1]", True)
+    assert (inc.step, inc.phase, inc.name, inc.produced) == (1, "forward", "two[1]", True)  # the eager name

@@ -11,9 +11,8 @@ from typing import Optional
 
 import torch
 
+from nanscan.monitor.incident import PHASE_ORDER
 from nanscan.record import Field
-
-PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "update": 3}
 
 
 def active() -> bool:

@@ -6,8 +6,13 @@ from typing import Optional
 
 from nanscan.record import TensorSummary
 
-PHASES = ("forward", "loss", "backward", "update")
-KINDS = ("activation", "grad", "param", "loss", "optimizer_state")
+# Training order within a step; "eval" is a forward outside training (no_grad, inference_mode,
+# model.eval()) that ran after the step's update.
+PHASES = ("forward", "loss", "backward", "update", "eval")
+PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}
+KINDS = ("activation", "grad", "param", "buffer", "loss", "optimizer_state")
+KIND_PHRASES = {"activation": "output of module", "grad": "gradient", "param": "parameter after the update",
+                "buffer": "buffer after the update", "loss": "loss", "optimizer_state": "optimizer state"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +41,7 @@ class Incident:
 
     def __str__(self) -> str:
         s = self.summary
-        what = {"activation": "output of module", "grad": "gradient", "param": "parameter after the update",
-                "loss": "loss", "optimizer_state": "optimizer state"}.get(self.kind, self.kind)
+        what = KIND_PHRASES.get(self.kind, self.kind)
         if self.produced is True:
             cause = "its inputs were finite, so the non-finite values were produced here"
         elif self.produced is False:

@@ -1,97 +1,61 @@
-"""The always-on monitor: ``nanscan.watch(model, ...)`` -> :class:`Monitor`.
+"""The always-on monitor: ``nanscan.watch(model, optimizer)`` -> :class:`Monitor`.
 
-How it stays cheap. Hooks never look at values: each one launches nanscan's fused summary op and
-keeps the small device record (float64 [8]) in a list of *slots*, in the order the tensors were
-produced. The host reads all pending records of a step with ONE stack + ONE device-to-host copy:
+One call turns it on; the training loop needs no change. This module holds the step lifecycle
+and the read; the pieces live beside it, one concept each:
 
-* sync mode: in the optimizer's step pre-hook (so a non-finite step can be stopped before the
-  update), or at the end of ``mon.step()`` when the update did not run (GradScaler skip, no
-  optimizer). Parameter records taken after the update (optimizer step post-hook) are read with
-  the next step's copy and reported with their own step index, phase ``"update"``.
-* async mode: the same copy, non-blocking into host memory, decoded at the next read point (one
-  step later); no host sync at all on CUDA.
+* :mod:`~nanscan.monitor.eager` -- the hooks that record module inputs / outputs and their
+  gradients outside compiled graphs;
+* :mod:`~nanscan.monitor.traced` -- the same inside ``torch.compile`` graphs (static rows of a
+  device buffer, stamped with a device counter);
+* :mod:`~nanscan.monitor.slots` -- the records of one read window, in production order;
+* :mod:`~nanscan.monitor.readback` -- the step's one device-to-host copy;
+* :mod:`~nanscan.monitor.attribution` -- the first non-finite value and produced / propagated;
+* :mod:`~nanscan.monitor.ledger`, :mod:`~nanscan.monitor.steplog`,
+  :mod:`~nanscan.monitor.stepcapture`, :mod:`~nanscan.monitor.distributed`.
 
-Attribution. Slots are kept in production order: module inputs and outputs during the forward
-(forward hooks fire when a module *finishes*, so a leaf comes before its parent), the loss
-(``mon.check_loss``), gradients flowing into module outputs and parameter gradients in the order
-autograd produced them, then parameters after the update. The first non-finite slot (outside the
-allow-list) is the incident. ``produced`` compares with the records of the slot's inputs: a
-module's tensor inputs; for a parameter's gradient, the gradient of its module's output; for a
-parameter after the update, its gradient. A NaN made by a functional op inside a module (not in
-a submodule) shows up first in that module's output, so it is attributed to that module.
+Steps. A step is one optimizer step: it ends in the optimizer's step post-hook, or when
+GradScaler skipped the update (its ``step`` is wrapped), however many forward / backward passes
+it took (gradient accumulation). Without an optimizer, a step ends at the first training forward
+after a backward, and at :meth:`Monitor.close`. ``with mon.step(batch):`` still works as an
+explicit delimiter. A *training* forward is one with grad enabled and the (outermost watched)
+module in training mode; other forwards (``no_grad``, ``inference_mode``, ``model.eval()``) are
+phase ``"eval"``: they never change the step, are checked by default, read at their end, and
+never raise unless ``eval_forwards="raise"``.
 
-Parameter gradients are summarized when the step is checked, in one ``summarize_many`` launch
-group, so they are the final (accumulated, and unscaled if ``scaler.unscale_`` ran) gradients.
-Hooks only record between ``mon.step()`` enter and exit, and only on sampled steps (``every``).
+Reads. Records stay on the device. A checked step is read once, with one copy: in sync mode in
+the optimizer's step pre-hook (a non-finite step is stopped before the update), or when the step
+ends without an update; parameters and buffers recorded after the update (step post-hook) are
+read with the next step's copy. In async mode the copy is non-blocking and decoded one read
+later: no host sync at all on CUDA.
 """
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import warnings
-import weakref
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
+from nanscan import _ops
 from nanscan.monitor import distributed
+from nanscan.monitor.attribution import first_incidents
+from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
+from nanscan.monitor.readback import Copy
+from nanscan.monitor.slots import Slot, Slots
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
-from nanscan.record import RECORD_SIZE, Field, TensorSummary
-from nanscan.summary import record, records
+from nanscan.monitor.traced import TracedRows
 
 MODES = ("sync", "async")
 ON_NONFINITE = ("raise", "warn", "record")
-ROOT = "(model)"
+EVAL_FORWARDS = ("check", "raise", "skip")
 
 
-def _tensors(value: Any, prefix: str):
-    """(name, tensor) pairs of the floating / complex tensors inside a module input or output."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex():
-            yield prefix, value
-    elif isinstance(value, (tuple, list)):
-        for i, v in enumerate(value):
-            yield from _tensors(v, f"{prefix}[{i}]")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            yield from _tensors(v, f"{prefix}.{k}")
-
-
-def _first_tensor(value: Any) -> Optional[torch.Tensor]:
-    for _, t in _tensors(value, ""):
-        return t
-    return None
-
-
-# On the torch.compile path each module owns one input row and this many output rows.
-_TRACED_OUTPUTS = 4
-
-
-# Columns of the traced buffer (used inside torch.compile graphs): the record, the execution
-# sequence number (0 = not written this step), numel, and a dtype code.
-_SEQ, _NUMEL, _DTYPE = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2
-_TRACED_COLS = RECORD_SIZE + 3
-_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128] + [
-    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, n)]
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-
-
-class _Slot:
-    """One pending record: what was summarized, when, and what it depends on."""
-
-    __slots__ = ("step", "phase", "kind", "name", "record", "dtype", "shape", "inputs", "param", "candidate")
-
-    def __init__(self, step, phase, kind, name, rec, tensor, inputs=(), param=None, candidate=True):
-        self.step, self.phase, self.kind, self.name = step, phase, kind, name
-        self.record = rec
-        self.dtype = tensor.dtype if tensor is not None else None
-        self.shape = tuple(tensor.shape) if tensor is not None else None
-        self.inputs = tuple(inputs)  # indices of earlier slots (same pending list)
-        self.param = param  # for deferred parameter-gradient slots: (param, name)
-        self.candidate = candidate  # inputs recorded only for attribution are never the incident
+def _attach_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
 
 
 class Monitor:
@@ -99,85 +63,99 @@ class Monitor:
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, grads=True, params=True,
-                 optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(), backend=None,
-                 capture_dir=None, keep_pre_update_state=False, log=None):
+                 buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
+                 backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check"):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.activations, self.grads, self.params, self.optimizer_state = activations, grads, params, optimizer_state
-        self.every, self.mode, self.on_nonfinite = every, mode, on_nonfinite
+        self.activations, self.grads, self.params, self.buffers = activations, grads, params, buffers
+        self.optimizer_state = optimizer_state
+        self.every, self.mode, self.on_nonfinite, self.eval_forwards = every, mode, on_nonfinite, eval_forwards
         self.allow = tuple(allow)
         self.backend = backend
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
-        self.steplog: Optional[StepLog] = None
-        self.step_index = 0
+        self.steplog: Optional[StepLog] = StepLog(log, 0) if log is not None else None
         self.incidents: list = []
         self.ledger = Ledger()
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
-        self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
-        self._module_names = {m: (n or ROOT) for n, m in model.named_modules()}
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._param_module = {id(p): (n.rpartition(".")[0] or ROOT) for n, p in self._params}
-        # torch.compile path: each module owns two static rows (input, output) of a device buffer
-        # that traced hooks write into; a device counter stamps the execution order.
-        stride = 1 + _TRACED_OUTPUTS
-        self._row_of = {name: stride * i for i, name in enumerate(self._module_names.values())}
-        self._row_info = {}
-        for name, r_in in self._row_of.items():
-            self._row_info[r_in] = (f"{name}.input", False, None)
-            for k in range(_TRACED_OUTPUTS):
-                self._row_info[r_in + 1 + k] = (name if k == 0 else f"{name}[output {k}]", True, r_in)
-        self._traced: Optional[torch.Tensor] = None
-        self._seq: Optional[torch.Tensor] = None
-        self._handles: list = []
-        self._pending: list = []  # slots not yet read
-        self._in_flight = None  # async: (host rows, event, slots, extras) awaiting decode
-        self._known: dict = {}  # id(tensor) -> (weakref, version, slot index) for this step
-        self._inputs_of: dict = {}  # module -> slot indices of its inputs, between pre and post hook
-        self._forward_inputs_of: dict = {}  # module name -> slot indices of its inputs this step
-        self._outputs_of: dict = {}  # module name -> slot indices of its latest outputs
-        self._out_grads_of: dict = {}  # module name -> slot indices of gradients of its outputs
-        self._grad_seen: set = set()
-        self._grad_slots: dict = {}  # param name -> slot of its gradient at the last check
-        self._scale_used = None  # GradScaler's scale during this step's backward (device tensor)
-        self._active = False
-        self._in_step = False
-        self._read_this_step = False
-        self._applied_this_step = False  # True / False, or None: decided when found_inf is read
-        self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the step)
-        self._undecided: set = set()  # steps whose fused-AMP decision arrives with a later read
-        self._grads_this_step = False
-        self._closed = False
-        if log is not None:
+        if self.steplog is not None and self.rank:
             self.steplog = StepLog(log, self.rank)
+        self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
+        self._kernels: dict = {}  # device -> (one, many)
+        infos = [ModuleInfo(name or ROOT, m, m is model) for name, m in model.named_modules()]
+        self._info_of = {info.name: info for info in infos}
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._param_owner = {id(p): self._info_of.get(n.rpartition(".")[0] or ROOT) for n, p in self._params}
+        self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
+                         if b.is_floating_point() or b.is_complex()] if buffers else []
+        # Per read window: the records (production order); eval forwards have their own.
+        self.slots = Slots(self._summarize_many, self._went_stale)
+        self.eval_slots = Slots(self._summarize_many, self._went_stale)
+        self.slots_generation = 0
+        self.hooks = EagerHooks(self, infos, record_grads=grads)
+        self.traced = TracedRows(self, infos, self._kernels_for)
+        # Step state.
+        self.step_index = 0
+        self.checking = True  # this step is sampled (every)
+        self._explicit = False  # inside `with mon.step()`
+        self._forward_seen = False  # a training forward ran in this step
+        self._root_seen = False  # ... of the whole model
+        self._attempted = False  # optimizer.step / scaler.step was called in this step
+        self._applied: Optional[bool] = False  # the update ran (None: a fused-AMP flag decides, read later)
+        self._read_this_step = False
+        self._in_flight: Optional[Copy] = None
+        self._last_grads = None  # (records, slots) of the parameter gradients read last, for the update
+        self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
+        self._closed = False
+        self._handles: list = []
         self._install()
 
-    # ------------------------------------------------------------------ hooks
+    # ------------------------------------------------------------------ setup
     def _install(self) -> None:
-        for module, name in self._module_names.items():
-            if self.activations:
-                self._handles.append(module.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._make_post_hook(name), with_kwargs=True))
-        if self.grads:
-            for name, p in self._params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(name)))
+        if self.activations:
+            self._handles.extend(self.hooks.install())
+            self.traced.allocate(self._model_device())
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
         if self.scaler is not None:
             self._wrap_scaler_step()
 
+    def _model_device(self) -> torch.device:
+        return next(iter(self.model.parameters())).device
+
+    def _kernels_for(self, device):
+        kernels = self._kernels.get(device)
+        if kernels is None:
+            kernels = self._kernels[device] = _ops.kernels(self.backend, device)
+        return kernels
+
+    def _summarize_one(self, t: torch.Tensor) -> torch.Tensor:
+        return self._kernels_for(t.device)[0](t)
+
+    def _summarize_many(self, xs: list) -> torch.Tensor:
+        return self._kernels_for(xs[0].device)[1](xs)
+
+    def _went_stale(self, slot: Slot) -> None:
+        if slot.owner is not None:
+            slot.owner.eager = True
+
     def _wrap_scaler_step(self) -> None:
-        """GradScaler has no hooks. When it skips an update, optimizer.step never runs, so the
-        step would be checked only at ``mon.step()`` exit -- after the loop's ``zero_grad`` dropped
-        the gradients and ``scaler.update()`` changed the scale. Wrapping this instance's ``step``
-        checks a skipped step right there, with the unscaled gradients still in place."""
+        """GradScaler has no hooks. When it skips an update, optimizer.step never runs, so the step
+        would end unseen -- after the loop's ``zero_grad`` dropped the gradients and
+        ``scaler.update()`` changed the scale. Wrapping this instance's ``step`` ends the step right
+        there, with the unscaled gradients still in place."""
         scaler, original = self.scaler, self.scaler.step
 
         def step(optimizer, *args, **kwargs):
+            self._attempted = True
+            step_before = self.step_index
             result = original(optimizer, *args, **kwargs)
-            if self._active and not self._read_this_step:  # the update was skipped
-                self._read(before_update=False)
+            if not self._closed and self.step_index == step_before and not self._applied:  # skipped
+                if self.checking and not self._read_this_step:
+                    self._read(before_update=False)
+                if not self._explicit:
+                    self._end_step()
             return result
 
         scaler.step = step
@@ -189,171 +167,142 @@ class Monitor:
 
         self._handles.append(_Restore())
 
-    def _slot(self, phase, kind, name, tensor, rec=None, inputs=(), param=None, candidate=True) -> int:
-        if rec is None and tensor is not None:
-            rec = record(tensor.detach(), backend=self.backend)
-        self._pending.append(_Slot(self.step_index, phase, kind, name, rec, tensor, inputs, param, candidate))
-        return len(self._pending) - 1
-
-    def _lookup(self, t: torch.Tensor) -> Optional[int]:
-        known = self._known.get(id(t))
-        if known is not None and known[0]() is t and known[1] == t._version:
-            return known[2]
-        return None
-
-    def _remember(self, t: torch.Tensor, index: int) -> None:
-        self._known[id(t)] = (weakref.ref(t), t._version, index)
-
-    def _make_pre_hook(self, name):
-        def pre_hook(module, args, kwargs):
-            if not self._active:
-                return None
-            if torch.compiler.is_compiling():
-                self._traced_write(self._row_of[name], _first_tensor((args, kwargs)))
-                return None
-            if name == ROOT:
+    # ------------------------------------------------------------------ step lifecycle
+    def _forward_begins(self, info: ModuleInfo, args, kwargs) -> Optional[str]:
+        """An outermost watched module starts a forward: the phase its records get, or None."""
+        module = info.module()
+        if self._closed or module is None:
+            return None
+        if not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and module.training):
+            return "eval" if (self.eval_forwards != "skip" and self.activations) else None
+        if not self._explicit and self.optimizer is None and self.hooks.backward_seen:
+            self._end_step()  # no optimizer: a training forward after a backward starts the next step
+        if info.is_root and not self._root_seen:  # the step's first forward of the whole model
+            self._root_seen = True
+            if self.capture_dir is not None and self.checking and not self._explicit:
+                self._capturer.remember(self.step_index, forward_inputs=(args, kwargs))
+            else:
                 self._capturer.note_autocast(self.step_index)
-            inputs = []
-            for label, t in list(_tensors(args, "input")) + list(_tensors(kwargs, "input")):
-                index = self._lookup(t)
-                if index is None:
-                    index = self._slot("forward", "activation", f"{name}.{label}", t, candidate=False)
-                    self._remember(t, index)
-                inputs.append(index)
-            self._inputs_of[module] = inputs
-            return None
+        self._forward_seen = True
+        return "forward" if (self.checking and self.activations) else None
 
-        return pre_hook
-
-    def _make_post_hook(self, name):
-        def post_hook(module, args, kwargs, output):
-            if not self._active:
-                return None
-            if torch.compiler.is_compiling():
-                for k, (_, t) in enumerate(_tensors(output, "")):
-                    if k == _TRACED_OUTPUTS:
-                        break
-                    self._traced_write(self._row_of[name] + 1 + k, t)
-                return None
-            inputs = self._inputs_of.pop(module, [])
-            self._forward_inputs_of[name] = inputs
-            outs = []
-            for label, t in _tensors(output, ""):
-                index = self._lookup(t)
-                if index is None or not self._pending[index].candidate:
-                    index = self._slot("forward", "activation", f"{name}{label}", t, inputs=inputs)
-                    self._remember(t, index)
-                    if self.grads and t.requires_grad:
-                        t.register_hook(self._make_out_grad_hook(name, f"{name}{label}"))
-                outs.append(index)
-            self._outputs_of[name] = outs
-            return None
-
-        return post_hook
-
-    def _traced_write(self, row: int, t: Optional[torch.Tensor]) -> None:
-        """Inside a torch.compile graph: only tensor ops (no Python bookkeeping), so the hook is
-        traced into the graph with no break. The record lands in a static row with its execution
-        sequence number; the host decodes the rows with the step's single copy. On this path a
-        module's first floating input and its first four floating outputs are checked, and shapes
-        are reported flattened."""
-        if t is None or self._traced is None:
-            return
-        row_view = self._traced[row]
-        row_view[:RECORD_SIZE].copy_(record(t.detach(), backend=self.backend))
-        self._seq.add_(1)
-        row_view[_SEQ:_SEQ + 1].copy_(self._seq)
-        row_view[_NUMEL] = t.numel()
-        row_view[_DTYPE] = _DTYPE_CODE.get(t.dtype, 0)
-
-    def _make_out_grad_hook(self, module_name, tensor_name):
-        def out_grad_hook(grad):
-            if self._active and grad is not None:
-                index = self._slot("backward", "grad", f"{tensor_name} (output grad)", grad, candidate=True)
-                self._out_grads_of.setdefault(module_name, []).append(index)
-            return None
-
-        return out_grad_hook
-
-    def _make_grad_hook(self, name):
-        def grad_hook(param):
-            if not self._active:
-                return
-            if not self._grads_this_step and self.scaler is not None:
-                # The scale this backward used, before scaler.update() changes it (a device copy).
-                scale = getattr(self.scaler, "_scale", None)
-                self._scale_used = scale.detach().clone() if isinstance(scale, torch.Tensor) else None
-            self._grads_this_step = True
-            if name in self._grad_seen:  # gradient accumulation: one slot per step, read at the end
-                return
-            self._grad_seen.add(name)
-            # A weight's gradient combines the gradient of its module's output with the module's
-            # forward inputs (saved for backward): both must be finite for "produced here".
-            owner = self._param_module[id(param)]
-            depends = tuple(self._out_grads_of.get(owner, ())) + tuple(self._forward_inputs_of.get(owner, ()))
-            self._pending.append(_Slot(self.step_index, "backward", "grad", name, None, param, depends, param=param))
-
-        return grad_hook
+    def _forward_ends(self, info: ModuleInfo) -> None:
+        if self.hooks.phase == "eval":
+            self._read_eval()
 
     def _fused_amp_found_inf(self, optimizer) -> Optional[torch.Tensor]:
         """With a GradScaler and an optimizer that handles AMP itself (fused Adam/AdamW/SGD),
-        GradScaler does not skip ``optimizer.step``: it sets ``optimizer.found_inf`` and the
-        kernel skips the update. That device flag is read with the step's records."""
+        GradScaler does not skip ``optimizer.step``: it sets ``optimizer.found_inf`` and the kernel
+        skips the update. That device flag is read with the step's records."""
         if self.scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
             return None
         found_inf = getattr(optimizer, "found_inf", None)
         return found_inf if isinstance(found_inf, torch.Tensor) else None
 
     def _optimizer_pre_hook(self, optimizer, args, kwargs):
-        if self._active:
+        if self._closed:
+            return None
+        self._attempted = True
+        if self.checking:
             self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
         return None
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
-        self._applied_this_step = True
-        if self._active and self._fused_amp_found_inf(optimizer) is not None:
-            self._applied_this_step = self._fused_applied.pop(self.step_index, None)
-        if not self._active:
+        if self._closed:
             return
+        self._applied = True
+        if self._fused_amp_found_inf(optimizer) is not None:
+            self._applied = self._fused_applied.pop(self.step_index, None)
+        if self.checking:
+            self._record_after_update(optimizer)
+        if not self._explicit:
+            self._end_step()
+
+    def _record_after_update(self, optimizer) -> None:
+        """Parameters and floating buffers after the update (one launch group), and on request the
+        optimizer state; read with the next step's copy. A parameter's input is the gradient the
+        update used (its record, read a moment ago, is carried as a non-candidate slot)."""
+        slots, step = self.slots, self.step_index
         if self.params and self._params:
-            rows = records([p.detach() for _, p in self._params], backend=self.backend)
-            grads = self._grad_slots
-            for i, (name, p) in enumerate(self._params):
-                inputs = ()
-                if name in grads:  # the gradient this update used: "produced" compares with it
-                    g = grads[name]
-                    self._pending.append(_Slot(g.step, "update", "grad", f"{name} (grad)", g.record, None, candidate=False))
-                    self._pending[-1].dtype, self._pending[-1].shape = g.dtype, g.shape
-                    inputs = (len(self._pending) - 1,)
-                self._pending.append(_Slot(self.step_index, "update", "param", name, rows[i], p, inputs))
+            grad_index = {}
+            if self._last_grads is not None:
+                grad_rows, grad_slots = self._last_grads
+                base = len(slots)
+                slots.add_records(grad_rows, [Slot(g.step, "update", "grad", f"{g.name} (grad)", g.dtype, g.shape,
+                                                   (), False) for g in grad_slots])
+                grad_index = {g.name: base + k for k, g in enumerate(grad_slots)}
+            rows = self._summarize_many([p for _, p in self._params])
+            slots.add_records(rows, [Slot(step, "update", "param", name, p.dtype, p.shape,
+                                          (grad_index[name],) if name in grad_index else ())
+                                     for name, p in self._params])
+        self._last_grads = None
+        self._record_buffers(step)
         if self.optimizer_state:
             names = {id(p): n for n, p in self._params}
             for p, state in optimizer.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
-                        self._slot("update", "optimizer_state", f"{names.get(id(p), '?')}.{key}", value)
+                        slots.add(value, Slot(step, "update", "optimizer_state", f"{names.get(id(p), '?')}.{key}",
+                                              value.dtype, value.shape, (), True))
+
+    def _record_buffers(self, step: int) -> None:
+        if not self._buffers:
+            return
+        rows = self._summarize_many([b for _, b, _ in self._buffers])
+        made = []
+        for name, b, owner in self._buffers:
+            made.append(Slot(step, "update", "buffer", name, b.dtype, b.shape, (), True, owner))
+        self.slots.add_records(rows, made)
+
+    def _end_step(self, raise_incident: bool = True) -> None:
+        """The step ends: ledger, the read if it was not read yet, the step log; next step."""
+        step = self.step_index
+        try:
+            if self._attempted:
+                applied = self._applied
+                if applied is None and not self.checking:
+                    applied = None  # a fused-AMP flag nobody will read: undecided
+                self.ledger.attempt(step, applied)
+            if self.checking and self._forward_seen_or_grads() and not self._read_this_step:
+                if self.optimizer is None:
+                    self._record_buffers(step)
+                self._read(before_update=False, raise_incident=raise_incident)
+        finally:
+            if self.steplog is not None and self.checking:
+                update = None
+                if self._attempted:
+                    update = {True: "applied", False: "skipped", None: None}[self._applied]
+                lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+                self.steplog.ended(step, update, lr if isinstance(lr, (int, float)) else None)
+                lag = (1 if (self.params and self.optimizer is not None) else 0) + (1 if self.mode == "async" else 0)
+                self.steplog.flush(before=step + 1 - lag)
+            self.step_index += 1
+            self.checking = self.step_index % self.every == 0
+            if self.activations:  # the model may have moved (model.to(device) after watch)
+                self.traced.allocate(self._model_device())
+            self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
+            self._applied = False
+            self.hooks.backward_seen = False
+
+    def _forward_seen_or_grads(self) -> bool:
+        return self._forward_seen or self.hooks.backward_seen or len(self.slots) > 0 or self.traced.used
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager
     def step(self, batch=None):
-        """Marks one training step (``mon.step_index`` counts from 0). ``batch`` is accepted for the
-        capture feature (issue 4) and is not read here."""
+        """Optional explicit step: ``with mon.step(batch):`` around one training step (``batch``
+        goes into the failure bundle, cloned before the forward). Without it, steps are
+        delimited by the optimizer (see the module docstring)."""
         if self._closed:
             raise RuntimeError("this nanscan Monitor is closed; call nanscan.watch(model) again")
-        if self._in_step:
+        if self._explicit:
             raise RuntimeError("mon.step() contexts cannot be nested")
-        self._in_step = True
-        self._active = self.step_index % self.every == 0
-        self._read_this_step = self._applied_this_step = self._grads_this_step = False
-        self._known.clear()
-        self._reset_traced()
-        if self.capture_dir is not None and self._active:
-            self._capturer.remember(self.step_index, batch)
-        self._inputs_of = {}
-        self._forward_inputs_of.clear()
-        self._outputs_of.clear()
-        self._out_grads_of.clear()
-        self._grad_seen.clear()
+        if self._forward_seen or self._attempted:  # an implicit step was running: it ends here
+            self._end_step()
+        self._explicit = True
+        self._forward_seen = True  # the explicit step owns the batch
+        if self.capture_dir is not None and self.checking:
+            self._capturer.remember(self.step_index, batch=batch)
         try:
             yield self
         except BaseException as primary:
@@ -366,12 +315,21 @@ class Monitor:
             raise
         else:
             self._end_step(raise_incident=True)
+        finally:
+            self._explicit = False
+
+    def check_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Records the loss (phase ``"loss"``; its inputs are the model's outputs); returns it."""
+        if self.checking and not self._closed and isinstance(loss, torch.Tensor):
+            self.slots.add(loss, Slot(self.step_index, "loss", "loss", "loss", loss.dtype, loss.shape,
+                                      self.hooks.root_outputs, True))
+        return loss
 
     def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
                 step: Optional[int] = None) -> str:
         """Write the bundle of ``step`` (default: the incident's step, else the current one) into
-        ``capture_dir`` (default: the monitor's) from what ``mon.step(batch)`` kept; returns its path.
-        Used at the first incident, and by :func:`nanscan.guard` when a step fails otherwise."""
+        ``capture_dir`` (default: the monitor's); returns its path. Used at the first incident, and
+        by :func:`nanscan.guard` when a step fails otherwise."""
         capture_dir = capture_dir or self.capture_dir
         if capture_dir is None:
             raise ValueError("nanscan: no capture_dir was given (watch(..., capture_dir=...) or guard(capture_dir=...))")
@@ -380,29 +338,12 @@ class Monitor:
                                "so no bundle can be written for this step")
         step = step if step is not None else (incident.step if incident is not None else self.step_index)
         return self._capturer.write(incident, capture_dir, step, current_step=self.step_index,
-                                    applied_this_step=self._applied_this_step)
+                                    applied_this_step=self._applied)
 
     @property
     def bundle_path(self) -> Optional[str]:
         """The bundle written at the first reported incident (or by :func:`nanscan.guard`), or None."""
         return self._capturer.bundle_path
-
-    def _reset_traced(self) -> None:
-        """(Re)allocate the traced buffer on the model's device and mark every row unwritten."""
-        device = next(iter(self.model.parameters())).device
-        if self._traced is None or self._traced.device != device:
-            self._traced = torch.zeros(len(self._row_info), _TRACED_COLS, dtype=torch.float64, device=device)
-            self._seq = torch.zeros(1, dtype=torch.float64, device=device)
-        elif self._active:
-            self._traced[:, _SEQ].zero_()
-            self._seq.zero_()
-
-    def check_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Records the loss (phase ``"loss"``); returns it unchanged."""
-        if self._active:
-            outputs = self._outputs_of.get(ROOT, [])
-            self._slot("loss", "loss", "loss", loss, inputs=outputs)
-        return loss
 
     @property
     def incident(self) -> Optional[Incident]:
@@ -410,19 +351,23 @@ class Monitor:
         return self.incidents[0] if self.incidents else None
 
     def close(self) -> None:
-        """Checks what is still pending, removes every hook and releases the model."""
+        """Checks what is still pending (the last step if it did not end), removes every hook and
+        releases the model."""
         if self._closed:
             return
-        self._closed = True
         try:
-            if self._pending or self._in_flight is not None:
+            if self.checking and (self._forward_seen or self.hooks.backward_seen) and not self._read_this_step:
                 self._read(before_update=False, final=True)
+            elif len(self.slots) or self._in_flight is not None or self.traced.used:
+                self._read(before_update=False, final=True, include_grads=False)
         finally:
+            self._closed = True
             if self.steplog is not None:
                 self.steplog.close()
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self.traced.forget()
             _WATCHED.pop(id(self.model), None)
 
     def __enter__(self) -> "Monitor":
@@ -438,156 +383,104 @@ class Monitor:
             _attach_note(exc, f"nanscan.Monitor.close failed: {secondary!r}")
 
     # ------------------------------------------------------------------ reading
-    def _end_step(self, raise_incident: bool) -> None:
-        try:
-            if self._active:
-                if self.optimizer is not None and self._grads_this_step:
-                    self.ledger.attempted += 1
-                    if self._applied_this_step is False:
-                        self.ledger.skipped_steps.append(self.step_index)
-                    elif self._applied_this_step is None:
-                        self._undecided.add(self.step_index)
-                if self._applied_this_step is True:
-                    self.ledger.applied += 1
-                if not self._read_this_step:
-                    self._read(before_update=False, raise_incident=raise_incident)
-            elif self._applied_this_step is True:
-                self.ledger.applied += 1
-        finally:
-            if self.steplog is not None and self._active:
-                update = None
-                if self.optimizer is not None and self._grads_this_step:
-                    update = {True: "applied", False: "skipped", None: None}[self._applied_this_step]
-                lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
-                self.steplog.ended(self.step_index, update, lr if isinstance(lr, (int, float)) else None)
-                lag = (1 if (self.params and self.optimizer is not None) else 0) + (1 if self.mode == "async" else 0)
-                self.steplog.flush(before=self.step_index + 1 - lag)
-            self._active = False
-            self._in_step = False
-            self.step_index += 1
+    def _param_grad_slots(self, first_index: int, window: list):
+        """Slots + tensors of the parameter gradients as they are now (final: accumulated, and
+        unscaled if ``scaler.unscale_`` ran). Inputs: the gradients of the owner's outputs and the
+        owner's forward inputs (slot indices of this window)."""
+        grads, made = [], []
+        for name, p in self._params:
+            g = p.grad
+            if g is None:
+                continue
+            owner = self._param_owner.get(id(p))
+            inputs = ()
+            if owner is not None:
+                inputs = tuple(window[o].grad for o in owner.last_outputs if o < len(window)
+                               and window[o].grad is not None) + tuple(owner.last_inputs)
+            slot = Slot(self.step_index, "backward", "grad", name, g.dtype, g.shape, inputs, True, owner)
+            slot.param = p
+            grads.append(g)
+            made.append(slot)
+        return grads, made
 
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
-              found_inf: Optional[torch.Tensor] = None) -> None:
+              found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
         self._read_this_step = True
-        slots = self._pending
-        self._pending = []
-        deferred = [s for s in slots if s.record is None and s.param is not None]
-        if deferred:  # parameter gradients: one launch group, final (accumulated, unscaled) values
-            live = [s for s in deferred if s.param.grad is not None]
-            if live:
-                rows = records([s.param.grad.detach() for s in live], backend=self.backend)
-                for s, row in zip(live, rows):
-                    s.record, s.dtype, s.shape = row, s.param.grad.dtype, tuple(s.param.grad.shape)
-            self._grad_slots = {s.name: s for s in live}
-            slots = [s for s in slots if s.record is not None]
-        handled = (not before_update and self.scaler is not None and self._grads_this_step
-                   and not self._applied_this_step and not final)
-        scale, self._scale_used = self._scale_used, None
+        slots, rows = self.slots.take()
+        self.slots_generation += 1
+        blocks = [rows] if rows is not None else []
+        grad_slots = []
+        if include_grads and self.grads and self._params:
+            grads, grad_slots = self._param_grad_slots(len(slots), slots)
+            if grads:
+                blocks.append(self._summarize_many(grads))
+        self.hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
+        slots = slots + grad_slots
+        self._last_grads = (blocks[-1], grad_slots) if grad_slots else None
+        handled = (not before_update and self.scaler is not None and self._attempted
+                   and self._applied is False and not final)
         extras = []  # (what, tensor): read with the records, in the same copy
-        if scale is not None and not final:
+        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
+        if isinstance(scale, torch.Tensor) and not final and include_grads:
             extras.append(("scale", scale))
         if found_inf is not None:
             extras.append(("found_inf", found_inf))
+        traced = self.traced.buffer if self.traced.used else None
+        copy = Copy.start(blocks, slots, extras, traced, handled=handled, step=self.step_index,
+                          non_blocking=self.mode == "async" and not final)
+        self.traced.reset()
         previous, self._in_flight = self._in_flight, None
         if self.mode == "async" and not final:
-            self._in_flight = self._start_copy(slots, extras, handled)
+            self._in_flight = copy
         else:
-            self._decode(*self._start_copy(slots, extras, handled), raise_incident=raise_incident)
+            self._decode(copy, raise_incident=raise_incident)
         if previous is not None:
-            self._decode(*previous, raise_incident=raise_incident)
+            self._decode(previous, raise_incident=raise_incident)
 
-    def _start_copy(self, slots, extras, handled):
-        """Stack every pending record, the traced buffer and the loss scale into one tensor and
-        start its copy to the host (the step's one copy)."""
-        parts = [s.record for s in slots] + [e.detach().double().reshape(1).expand(RECORD_SIZE) for _, e in extras]
-        traced = self._traced if (self._traced is not None and self._active) else None
-        if not parts and traced is None:
-            return None, None, slots, (), 0, handled, self.step_index
-        device = traced.device if traced is not None else parts[0].device
-        parts = [t if t.device == device else t.to(device, non_blocking=True) for t in parts]  # a stray CPU input
-        blocks = []
-        if parts:
-            blocks.append(torch.nn.functional.pad(torch.stack(parts), (0, _TRACED_COLS - RECORD_SIZE)))
-        if traced is not None:
-            blocks.append(traced)
-        rows = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        event = None
-        if rows.is_cuda and self.mode == "async":
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            rows = host
-        n_traced = 0 if traced is None else traced.shape[0]
-        return rows, event, slots, tuple(what for what, _ in extras), n_traced, handled, self.step_index
+    def _read_eval(self) -> None:
+        slots, rows = self.eval_slots.take()
+        self.hooks.reset("eval")
+        if rows is None:
+            return
+        copy = Copy.start([rows], slots, [], None, handled=False, step=self.step_index, non_blocking=False)
+        self._decode(copy, raise_incident=self.eval_forwards == "raise")
 
-    def _traced_slots(self, traced_values, step):
-        """Slots for the traced rows written this step, in execution order."""
-        written = sorted((v[_SEQ], r) for r, v in enumerate(traced_values) if v[_SEQ] > 0)
-        slots, values, index_of_row = [], [], {}
-        for _, r in written:
-            name, is_output, input_row = self._row_info[r]
-            v = traced_values[r]
-            inputs = (index_of_row[input_row],) if is_output and input_row in index_of_row else ()
-            slot = _Slot(step, "forward", "activation", name, None, None, inputs, candidate=is_output)
-            slot.dtype, slot.shape = _DTYPES[int(v[_DTYPE])], (int(v[_NUMEL]),)
-            index_of_row[r] = len(slots)
-            slots.append(slot)
-            values.append(v[:RECORD_SIZE])
-        return slots, values
-
-    def _decode(self, rows, event, slots, extra_names, n_traced, handled, step, raise_incident=True) -> None:
-        if event is not None:
-            event.synchronize()  # recorded a step ago: normally long done
-        # rows is None when nothing was recorded; under torch.distributed the agreement below is
-        # a collective, so every rank must still reach it.
-        values = rows.tolist() if rows is not None else []  # the one host copy per step (sync mode)
-        main = [v[:RECORD_SIZE] for v in values[:len(slots)]]
-        n_extras = len(extra_names)
-        extra, traced = values[len(slots):len(slots) + n_extras], values[len(slots) + n_extras:]
-        for what, row in zip(extra_names, extra):
+    def _decode(self, copy: Copy, raise_incident: bool = True) -> None:
+        copy.wait()
+        slots, step, handled = copy.slots, copy.step, copy.handled
+        for what, value in copy.extras.items():
             if what == "scale":
-                self.ledger.scale_history.append((step, row[0]))
+                self.ledger.scale_history.append((step, value))
                 if self.steplog is not None:
-                    self.steplog.scale(step, row[0])
+                    self.steplog.scale(step, value)
             elif what == "found_inf":
-                applied = row[0] == 0
+                applied = value == 0
                 handled = handled or not applied  # the fused kernel skipped the update: AMP handled it
-                if step in self._undecided:  # async: the step already ended
-                    self._undecided.discard(step)
-                    if applied:
-                        self.ledger.applied += 1
-                    else:
-                        self.ledger.skipped_steps = sorted(self.ledger.skipped_steps + [step])
+                if self.ledger.decide(step, applied):  # async: the step already ended
                     if self.steplog is not None:
                         self.steplog.decided(step, "applied" if applied else "skipped")
                 else:
                     self._fused_applied[step] = applied
-        if n_traced:
-            traced_slots, traced_values = self._traced_slots(traced, step)
+        row = copy.row
+        bad = copy.bad
+        if copy.traced is not None:
+            traced_slots, traced_values = self.traced.slots(copy.traced, step)
             offset = len(slots)
             for t in traced_slots:
                 t.inputs = tuple(offset + j for j in t.inputs)
-            slots, values = list(slots) + traced_slots, main + traced_values
-        else:
-            values = main
-        self._check_hooks_ran(slots, step)
-        nonfinite = [v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT] > 0 for v in values]
-        first_by_phase = {}
-        for i, s in enumerate(slots):
-            if not nonfinite[i] or not s.candidate or (s.step, s.phase) in first_by_phase or self._allowed(s.name):
-                continue
-            # Only gradient overflow is AMP's to handle: loss scaling cannot fix a non-finite forward
-            # activation or loss (the same batch would overflow again, and the scale would only
-            # collapse), so those stay incidents even when GradScaler skipped the step.
-            handled_here = handled and s.step == step and s.phase == "backward"
-            first_by_phase[(s.step, s.phase)] = self._incident(s, values[i], slots, nonfinite, handled_here)
-        found = sorted(first_by_phase.values(), key=lambda inc: (inc.step, _PHASE_ORDER[inc.phase]))
+            slots = list(slots) + traced_slots
+            bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
+            row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])
+        phase = slots[0].phase if slots else None
+        if phase != "eval":
+            self._check_hooks_ran(slots, step)
+        found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
+                                handled_step=step if handled else None)
         self.incidents.extend(found)
         if self.steplog is not None:
-            self.steplog.observe(slots, values, nonfinite)
+            self.steplog.observe(slots, [row(i) for i in range(len(slots))], [i in bad for i in range(len(slots))])
         report = found[0] if found and not found[0].handled_by_scaler else None
-        if distributed.active():  # every rank reports the same incident in the same step
+        if phase != "eval" and distributed.active():  # every rank reports the same incident in the same step
             report = distributed.agree(report)
             if report is not None and report.rank != self.rank:
                 self.incidents.append(report)
@@ -596,7 +489,7 @@ class Monitor:
             return
         capture_error = None
         try:
-            if self.capture_dir is not None and self.bundle_path is None:  # the first reported incident
+            if self.capture_dir is not None and self.bundle_path is None and report.phase != "eval":
                 self.capture(report)
         except Exception as e:  # the incident stays the primary finding; the capture failure is attached
             capture_error = e
@@ -621,9 +514,9 @@ class Monitor:
                 self.steplog.incident(inc, self.bundle_path if inc.step == self._capturer.bundle_step else None)
 
     def _check_hooks_ran(self, slots, step) -> None:
-        """A step with a loss or gradients but no module output means the forward hooks did not
-        run: typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph
-        never calls hooks added later. Attribution would then be wrong, so refuse loudly."""
+        """Gradients in a step with no recorded forward mean the forward hooks did not run:
+        typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph never
+        calls hooks added later. Attribution would then be wrong, so refuse loudly."""
         if not self.activations:
             return
         this_step = [s for s in slots if s.step == step]
@@ -636,58 +529,44 @@ class Monitor:
                 "hooks added later: call nanscan.watch(model) first, then torch.compile(model). (A loss computed "
                 "without calling the watched model gives this error too.)")
 
-    def _allowed(self, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.allow)
 
-    def _incident(self, s: _Slot, values, slots, nonfinite, handled) -> Incident:
-        produced: Optional[bool]
-        bad_inputs = tuple(slots[j].name for j in s.inputs if j < len(nonfinite) and nonfinite[j])
-        if s.kind == "optimizer_state" or (s.kind in ("grad", "param") and not s.inputs):
-            produced = None
-        else:
-            produced = not bad_inputs
-        summary = TensorSummary.from_values(values, s.dtype, s.shape)
-        return Incident(step=s.step, phase=s.phase, name=s.name, kind=s.kind, produced=produced,
-                        summary=summary, rank=self.rank, inputs=bad_inputs,
-                        handled_by_scaler=handled)
-
-
-_PHASE_ORDER = {"forward": 0, "loss": 1, "backward": 2, "update": 3}
 _WATCHED: dict = {}
 
 
-def _attach_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-
-
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads: bool = True,
-          params: bool = True, optimizer_state: bool = False, every: int = 1, mode: str = "sync",
-          on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
-          capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None) -> Monitor:
+          params: bool = True, buffers: bool = True, optimizer_state: bool = False, every: int = 1,
+          mode: str = "sync", on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
+          capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None,
+          eval_forwards: str = "check") -> Monitor:
     """Watch ``model`` for non-finite values, every ``every`` steps, cheaply enough to leave on.
+    One call: the training loop needs no change (steps end at ``optimizer.step``; see
+    :mod:`nanscan.monitor.monitor`).
 
-    ``activations``: module inputs/outputs in the forward and the gradients flowing into module
-    outputs; ``grads``: parameter gradients; ``params``: parameters after each optimizer update
-    (needs ``optimizer``); ``optimizer_state``: optimizer state tensors after the update.
+    ``activations``: module outputs (and values made in a module's own body) in the forward, and
+    the gradients flowing into module outputs; ``grads``: parameter gradients; ``params``:
+    parameters after each optimizer update (needs ``optimizer``); ``buffers``: floating-point
+    buffers (BatchNorm running statistics, EMA copies kept as buffers) after the update, kind
+    ``"buffer"``; ``optimizer_state``: optimizer state tensors after the update.
     ``mode="sync"`` reads the step's records once, before ``optimizer.step`` (so a bad update can
     be stopped); ``"async"`` copies them without blocking and checks them a step later.
     ``on_nonfinite``: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or ``"record"`` (only
     ``mon.incidents``). Non-finite gradients in a step whose update GradScaler skipped are never
     raised (AMP handled them): they are recorded and counted in ``mon.ledger``. Non-finite forward
-    activations or losses are incidents even then: loss scaling cannot fix them. ``allow``: fnmatch patterns of names allowed to be
-    non-finite (e.g. ``"*.attn_mask"``). Watch before ``torch.compile``.
+    activations or losses are incidents even then: loss scaling cannot fix them. ``allow``: fnmatch
+    patterns of names allowed to be non-finite (e.g. ``"*.attn_mask"``). ``eval_forwards``: forwards
+    outside training (``no_grad``, ``inference_mode``, ``model.eval()``) are ``"check"``-ed as phase
+    ``"eval"`` and warned about (default), ``"raise"`` like training incidents, or ``"skip"``-ped.
+    Watch before ``torch.compile``.
 
     ``capture_dir``: at the first reported incident, write a failure bundle there
-    (``step000123-rank0``; see :mod:`nanscan.capture.bundle`) with the batch given to
-    ``mon.step(batch)`` (cloned before the forward), the pre-step RNG, and model / optimizer /
-    scaler state marked "before-update" or "after-update". Cost per checked step: a clone of the
-    batch and the RNG states. ``keep_pre_update_state=True`` also keeps a copy of model, optimizer
-    and scaler state from the start of each step, so update-phase (and async) incidents get
-    pre-update state: one extra copy of all state in memory and a device copy of it every step.
+    (``step000123-rank0``; see :mod:`nanscan.capture.bundle`) with the batch (the root module's
+    forward inputs of the step's first forward, or the ``batch`` given to ``mon.step(batch)``;
+    cloned before the forward), the pre-step RNG, and model / optimizer / scaler state marked
+    "before-update" or "after-update". Cost per checked step: a clone of the batch and the RNG
+    states. ``keep_pre_update_state=True`` also keeps a copy of model, optimizer and scaler state
+    from the start of each step, so update-phase (and async) incidents get pre-update state.
 
-    ``log``: a path or a :class:`nanscan.EventLog`: one JSONL record per checked step (loss, unscaled
-    grad norm, loss scale, lr, update applied / skipped, non-finite counts per phase) and one per
+    ``log``: a path or a :class:`nanscan.EventLog`: one JSONL record per checked step and one per
     incident (fsynced); see :mod:`nanscan.monitor.steplog`.
     """
     if not isinstance(model, torch.nn.Module):
@@ -695,6 +574,9 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     if type(model).__name__ == "OptimizedModule" or hasattr(model, "_orig_mod"):
         raise ValueError("nanscan.watch: this model is already torch.compile-d; hooks added now would never "
                          "run inside the compiled graph. Call nanscan.watch(model) first, then torch.compile(model)")
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError("nanscan.watch: this model was compiled in place (model.compile()); hooks added now would "
+                         "never run inside the compiled graph. Call nanscan.watch(model) first, then model.compile()")
     if not any(True for _ in model.parameters()):
         raise ValueError("nanscan.watch: the model has no parameters; there is nothing to train or watch")
     if not isinstance(every, int) or every < 1:
@@ -703,14 +585,16 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
         raise ValueError(f"nanscan.watch: mode must be one of {MODES}, got {mode!r}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"nanscan.watch: on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if eval_forwards not in EVAL_FORWARDS:
+        raise ValueError(f"nanscan.watch: eval_forwards must be one of {EVAL_FORWARDS}, got {eval_forwards!r}")
     if isinstance(allow, str):
         allow = (allow,)
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")
     monitor = Monitor(model, optimizer, scaler, activations=activations, grads=grads, params=params,
-                      optimizer_state=optimizer_state, every=every, mode=mode, on_nonfinite=on_nonfinite,
-                      allow=tuple(allow), backend=backend, capture_dir=capture_dir,
-                      keep_pre_update_state=keep_pre_update_state, log=log)
+                      buffers=buffers, optimizer_state=optimizer_state, every=every, mode=mode,
+                      on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
+                      keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards)
     _WATCHED[id(model)] = monitor
     return monitor

@@ -24,7 +24,9 @@ class StepCapture:
         self.bundle_path: Optional[str] = None
         self.bundle_step: Optional[int] = None
 
-    def remember(self, step: int, batch) -> None:
+    def remember(self, step: int, batch=None, forward_inputs=None) -> None:
+        """Keep what the bundle of ``step`` needs: ``batch`` (given to ``mon.step(batch)``) or the
+        root module's ``forward_inputs`` ``(args, kwargs)`` of the step's first forward."""
         from nanscan.capture import bundle as B
 
         pre_state = None
@@ -32,7 +34,11 @@ class StepCapture:
             pre_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
                          copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                          copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
-        self.saved[step] = {"batch": B.clone_batch(batch) if batch is not None else None, "rng": B.capture_rng(),
+        if forward_inputs is not None:
+            kept = B.clone_batch(tuple(forward_inputs[0]), forward_inputs[1])
+        else:
+            kept = B.clone_batch(batch) if batch is not None else None
+        self.saved[step] = {"batch": kept, "rng": B.capture_rng(),
                             "autocast": B.autocast_state(), "pre_state": pre_state, "training": self.model.training}
         for old in [k for k in self.saved if k < step - 1]:
             del self.saved[old]

@@ -21,9 +21,8 @@ import math
 import warnings
 from typing import Optional
 
+from nanscan.monitor.incident import PHASES
 from nanscan.record import Field
-
-PHASES = ("forward", "loss", "backward", "update")
 
 
 class StepLog:

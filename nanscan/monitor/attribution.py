@@ -1,0 +1,77 @@
+"""Attribution: from the decoded records of one read, the first non-finite value of each step and
+phase, and whether it was produced there or propagated.
+
+Production order is the order of the slots (eager hooks run in the order the values are made;
+compiled rows are ordered by their device counter). The first non-finite *candidate* slot of a
+(step, phase), outside the allow-list, is the incident. ``produced`` compares with the records of
+the slot's inputs:
+
+* a module output: the module's inputs; a value made in a module's own body: that module's inputs;
+* the gradient flowing into a module output: the module that consumed the output made it in its
+  backward, from the gradients of its own outputs. With exactly one consumer the incident is
+  named after it; with several (a residual stream) nanscan cannot tell which one made it: it
+  keeps the tensor's name and says ``produced=None`` unless an incoming gradient was already
+  non-finite (then it was propagated);
+* a parameter's gradient: the gradients of its module's outputs and the module's forward inputs;
+* a parameter after the update: its gradient; a buffer after the update: its module's inputs;
+* the loss: the model's outputs.
+
+A slot that went stale (its tensor was changed in place before it was summarized) is never an
+incident, and a value computed from a stale one gets ``produced=None``: nanscan does not know
+what the stale tensor held.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Optional
+
+from nanscan.monitor.incident import PHASE_ORDER, Incident
+from nanscan.record import TensorSummary
+
+
+def allowed(slot, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(slot.name, p) for p in patterns)
+
+
+def _consumer(slots, slot):
+    """For the gradient of a forward value: (name, incoming gradient slot indices, unique)."""
+    forward = slots[slot.grad_of]
+    frames = forward.consumers or ()
+    incoming = tuple(slots[o].grad for f in frames for o in f.outputs if slots[o].grad is not None)
+    if len(frames) == 1:
+        return frames[0].info.name, incoming, True
+    return slot.name, incoming, False
+
+
+def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[int], rank: int) -> list:
+    """Incidents, one per (step, phase), sorted in training order. ``values(i)`` gives slot i's
+    record as a list of floats; ``bad`` holds the indices of slots with a non-finite element;
+    gradient incidents of ``handled_step`` are marked handled by GradScaler."""
+    first, seen = {}, set()
+    for i in sorted(bad):
+        s = slots[i]
+        earlier = (s.step, s.phase) in seen
+        seen.add((s.step, s.phase))
+        if s.derived and earlier:  # a compiled input row that an earlier non-finite value explains
+            continue
+        if not s.candidate or s.stale or (s.step, s.phase) in first or allowed(s, allow):
+            continue
+        name, inputs, sure = s.name, s.inputs, True
+        if s.grad_of is not None:
+            name, inputs, sure = _consumer(slots, s)
+        bad_inputs = tuple(slots[j].name for j in inputs if j in bad)
+        if any(slots[j].stale for j in inputs):
+            produced = None if not bad_inputs else False
+        elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs and s.grad_of is None):
+            produced = None
+        elif not sure:
+            produced = False if bad_inputs else None
+        else:
+            produced = not bad_inputs
+        # Only gradient overflow is AMP's to handle: loss scaling cannot fix a non-finite forward
+        # activation or loss (the same batch would overflow again and the scale would only collapse).
+        handled = handled_step is not None and s.step == handled_step and s.phase == "backward"
+        summary = TensorSummary.from_values(values(i), s.dtype, s.shape)
+        first[(s.step, s.phase)] = Incident(step=s.step, phase=s.phase, name=name, kind=s.kind, produced=produced,
+                                            summary=summary, rank=rank, inputs=bad_inputs, handled_by_scaler=handled)
+    return sorted(first.values(), key=lambda inc: (inc.step, PHASE_ORDER[inc.phase]))

@@ -1,0 +1,246 @@
+"""Eager hooks: what the monitor records while a module runs outside a compiled graph.
+
+Per module call, a forward pre-hook and a forward hook; per recorded module output that has an
+autograd node, one pre-hook on that node (it receives the gradient flowing into the output). Each
+hook does only list / dict work and queues the tensor in :class:`nanscan.monitor.slots.Slots`
+(summarized in batches): everything a hook needs about its module (name, whether it works in
+place, the root flag) is in a :class:`ModuleInfo` built once at ``watch``.
+
+What is recorded, in production order:
+
+* a module's output tensors (every floating / complex tensor in tuples, lists, dicts and
+  ``ModelOutput``-like mappings, with their real shapes). An output that is one of the module's
+  inputs or a child's output returned unchanged is not recorded twice.
+* a module's input tensors that no earlier record explains: with a parent module running, such a
+  tensor was made by an op in the parent's own body (a functional op, e.g. ``F.softmax`` in an
+  attention module, feeding ``self.proj``): it is recorded as the *parent's* value, produced from
+  the parent's inputs. Inputs of the outermost module are the batch (recorded for attribution,
+  never an incident themselves).
+* in the backward, the gradient flowing into each recorded output. The module whose backward made
+  that gradient is the output's consumer: when exactly one module took the tensor as an input,
+  the gradient is named after it (``produced`` there when the gradients of that consumer's
+  outputs were finite); otherwise it is named ``"<producer> (output grad)"``.
+
+Forwards that run inside a backward (activation checkpointing recomputing them) are not recorded:
+they were recorded when they first ran.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from nanscan.monitor.slots import Slot
+
+ROOT = "(model)"
+_current_graph_task_id = torch._C._current_graph_task_id
+
+
+class ModuleInfo:
+    """What the hooks of one module need, computed once at ``watch``."""
+
+    __slots__ = ("name", "module", "is_root", "inplace", "eager", "last_inputs", "last_outputs", "__weakref__")
+
+    def __init__(self, name: str, module: torch.nn.Module, is_root: bool):
+        self.name, self.is_root = name, is_root
+        self.module = weakref.ref(module)
+        # A module that overwrites its input (nn.ReLU(inplace=True), Dropout(inplace=True), ...):
+        # queued records are summarized before it runs.
+        self.inplace = bool(getattr(module, "inplace", False))
+        self.eager = False  # its outputs were changed in place after its hook once: never batch them
+        self.last_inputs: tuple = ()  # slot indices of the inputs / outputs of its last call this window
+        self.last_outputs: tuple = ()
+
+
+def float_tensors(value, prefix: str, out: list) -> list:
+    """Append ``(label, tensor)`` for every floating / complex tensor inside ``value``."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            out.append((prefix, value))
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            float_tensors(v, f"{prefix}[{i}]", out)
+    elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(value, "keys")):
+        for k, v in value.items():
+            float_tensors(v, f"{prefix}.{k}", out)
+    return out
+
+
+class _Frame:
+    """One running module call: its info and the slot indices of its inputs and outputs."""
+
+    __slots__ = ("info", "inputs", "outputs")
+
+    def __init__(self, info, inputs):
+        self.info, self.inputs, self.outputs = info, inputs, ()
+
+
+class EagerHooks:
+    """Forward and backward hooks of one watched model. ``monitor`` provides ``slots`` (where to
+    record), ``step_index``, ``_forward_begins`` / ``_forward_ends`` (step and phase decisions) and
+    ``traced`` (the compiled path, which takes over inside ``torch.compile``)."""
+
+    def __init__(self, monitor, infos: list, record_grads: bool):
+        self.monitor = monitor
+        self.infos = infos
+        self.record_grads = record_grads
+        self.stack: list = []  # running module calls (None for a call that is not recorded)
+        # id(tensor) -> (weakref, version, slot index), per phase: eval forwards have slots of their own
+        self._known: dict = {"forward": {}, "eval": {}}
+        self.known: dict = self._known["forward"]
+        self.slots = monitor.slots
+        self.phase: Optional[str] = None  # "forward" / "eval" while an outermost call records, else None
+        self.backward_seen = False  # a gradient was recorded since the step began
+        self.root_outputs: tuple = ()
+
+    def install(self) -> list:
+        handles = []
+        for info in self.infos:
+            module = info.module()
+            handles.append(module.register_forward_pre_hook(self._pre_hook(info), with_kwargs=True))
+            handles.append(module.register_forward_hook(self._post_hook(info), with_kwargs=True))
+        return handles
+
+    def reset(self, phase: str = "forward") -> None:
+        """A new read window of ``phase``: its earlier slot indices are void."""
+        self._known[phase].clear()
+        if phase == "eval":
+            return
+        self.stack.clear()
+        self.backward_seen = False
+        for info in self.infos:
+            info.last_inputs = info.last_outputs = ()
+
+    # --------------------------------------------------------------- tensor identity
+    def _lookup(self, t: torch.Tensor) -> Optional[int]:
+        known = self.known.get(id(t))
+        if known is not None and known[0]() is t and (known[1] is None or known[1] == t._version):
+            return known[2]
+        return None
+
+    def _remember(self, t: torch.Tensor, index: int) -> None:
+        self.known[id(t)] = (weakref.ref(t), None if t.is_inference() else t._version, index)
+
+    # --------------------------------------------------------------- forward
+    def _pre_hook(self, info: ModuleInfo):
+        monitor = self.monitor
+
+        def pre_hook(module, args, kwargs):
+            if torch.compiler.is_compiling():
+                monitor.traced.write_inputs(info, args, kwargs)
+                return None
+            if module is not info.module():  # a copy of the model (deepcopy, EMA) carries the hooks: not ours
+                return None
+            stack = self.stack
+            if _current_graph_task_id() != -1:  # recomputed inside a backward (checkpointing)
+                stack.append(None)
+                return None
+            if not stack or info.is_root:
+                stack.clear()  # (frames a forward that raised left behind)
+                self.phase = phase = monitor._forward_begins(info, args, kwargs)
+                if phase is not None:
+                    self.slots = monitor.slots if phase == "forward" else monitor.eval_slots
+                    self.known = self._known[phase]
+            phase = self.phase
+            if phase is None:
+                stack.append(None)
+                return None
+            slots = self.slots
+            parent = stack[-1] if stack else None
+            inputs = []
+            found = float_tensors(args, "input", []) if args else []
+            if kwargs:
+                float_tensors(kwargs, "input", found)
+            frame = _Frame(info, inputs)
+            for label, t in found:
+                index = self._lookup(t)
+                if index is None:
+                    if parent is not None:  # made by an op in the parent's own body
+                        slot = Slot(monitor.step_index, phase, "activation", parent.info.name, t.dtype, t.shape,
+                                    tuple(parent.inputs), True, parent.info)
+                    else:  # the batch: recorded for attribution only
+                        slot = Slot(monitor.step_index, phase, "activation", f"{info.name}.{label}", t.dtype,
+                                    t.shape, (), False)
+                    slot.consumers = [frame]
+                    index = slots.add(t, slot)
+                    self._remember(t, index)
+                else:
+                    slot = slots.slots[index]
+                    if slot.consumers is None:
+                        slot.consumers = [frame]
+                    else:
+                        slot.consumers.append(frame)
+                inputs.append(index)
+            if info.inplace:
+                slots.flush()
+            stack.append(frame)
+            return None
+
+        return pre_hook
+
+    def _post_hook(self, info: ModuleInfo):
+        monitor = self.monitor
+
+        def post_hook(module, args, kwargs, output):
+            if torch.compiler.is_compiling():
+                monitor.traced.write_outputs(info, output)
+                return None
+            if module is not info.module():
+                return None
+            stack = self.stack
+            if not stack:
+                return None
+            frame = stack.pop()
+            if frame is None:  # a call that is not recorded
+                return None
+            if frame.info is not info:  # out of step: a forward raised and left its frames behind
+                stack.clear()
+                return None
+            phase = self.phase
+            slots = self.slots
+            step = monitor.step_index
+            inputs = tuple(frame.inputs)
+            outputs = []
+            record_grad = self.record_grads and phase == "forward"
+            for label, t in float_tensors(output, "", []):
+                index = self._lookup(t)
+                if index is None:
+                    index = slots.add(t, Slot(step, phase, "activation", info.name + label, t.dtype, t.shape,
+                                              inputs, True, info))
+                    self._remember(t, index)
+                    if record_grad and t.grad_fn is not None:
+                        t.grad_fn.register_prehook(self._grad_hook(index, t.output_nr))
+                outputs.append(index)
+            frame.outputs = outputs
+            info.last_inputs, info.last_outputs = inputs, outputs
+            if info.eager:
+                slots.flush()
+            if not stack:  # the forward ends: summarize before the loop can edit its tensors in place
+                slots.flush()
+                if info.is_root:
+                    self.root_outputs = tuple(outputs)
+                monitor._forward_ends(info)
+            return None
+
+        return post_hook
+
+    # --------------------------------------------------------------- backward
+    def _grad_hook(self, index: int, output_nr: int):
+        monitor = self.monitor
+
+        def grad_hook(grad_outputs):
+            grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
+            if grad is None or monitor._closed or monitor.slots_generation != generation:
+                return None
+            slots = monitor.slots
+            forward = slots.slots[index]
+            slot = Slot(monitor.step_index, "backward", "grad", f"{forward.name} (output grad)", grad.dtype,
+                        grad.shape, (), True, forward.owner)
+            slot.grad_of = index
+            forward.grad = slots.add(grad, slot)
+            self.backward_seen = True
+            return None
+
+        generation = monitor.slots_generation
+        return grad_hook

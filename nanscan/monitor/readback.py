@@ -1,0 +1,75 @@
+"""The read: every record of a read window, the compiled path's rows and a few scalars (loss scale,
+GradScaler's ``found_inf``) stacked into one tensor and copied to the host once.
+
+In sync mode the copy is a plain ``.cpu()``; in async mode it goes into pinned memory with
+``non_blocking=True`` behind a CUDA event, and :meth:`Copy.wait` is called a read later (normally
+long done). Only the rows holding a non-finite element are turned into Python floats, so a read
+costs the same few tensor ops whatever the number of records.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nanscan.monitor.traced import COLUMNS, SEQ
+from nanscan.record import RECORD_SIZE
+
+
+class Copy:
+    """One read in flight (``start``) or landed (``wait``)."""
+
+    def __init__(self, rows, event, slots, extra_names, n_traced, handled, step):
+        self.rows, self.event, self.slots = rows, event, slots
+        self.extra_names, self.n_traced = extra_names, n_traced
+        self.handled, self.step = handled, step
+        self.host: Optional[torch.Tensor] = None
+        self.bad: set = set()
+        self.extras: dict = {}
+        self.traced: Optional[list] = None  # [(row, values)] of the compiled rows written, or None
+
+    @classmethod
+    def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool) -> "Copy":
+        """Stack ``blocks`` (``[k, RECORD_SIZE]`` records of ``slots``, in order), the ``extras``
+        (``(name, one-element tensor)``) and the compiled rows, and start the copy."""
+        parts = [torch.nn.functional.pad(b, (0, COLUMNS - RECORD_SIZE)) for b in blocks]
+        parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, COLUMNS) for _, e in extras]
+        if traced is not None:
+            parts.append(traced)
+        names = tuple(name for name, _ in extras)
+        n_traced = 0 if traced is None else traced.shape[0]
+        if not parts:
+            return cls(None, None, slots, names, 0, handled, step)
+        device = parts[0].device
+        parts = [p if p.device == device else p.to(device, non_blocking=True) for p in parts]  # a stray CPU row
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        event = None
+        if rows.is_cuda and non_blocking:
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            rows = host
+        return cls(rows, event, slots, names, n_traced, handled, step)
+
+    def wait(self) -> None:
+        """Land the copy (the one host sync of the read) and find the non-finite rows."""
+        if self.event is not None:
+            self.event.synchronize()
+        if self.rows is None:
+            return
+        host = self.rows.cpu()
+        self.host = host
+        n, e = len(self.slots), len(self.extra_names)
+        counts = host[:n, :3].sum(dim=1)
+        self.bad = set(torch.nonzero(counts > 0).flatten().tolist())
+        if e:
+            self.extras = dict(zip(self.extra_names, host[n:n + e, 0].tolist()))
+        if self.n_traced:
+            block = host[n + e:]
+            written = torch.nonzero(block[:, SEQ] > 0).flatten().tolist()
+            self.traced = list(zip(written, block[written].tolist())) if written else []
+
+    def row(self, i: int) -> list:
+        """Slot ``i``'s record as Python floats."""
+        return self.host[i, :RECORD_SIZE].tolist()
