@@ -13,7 +13,8 @@ the slot's inputs:
   keeps the tensor's name and says ``produced=None`` unless an incoming gradient was already
   non-finite (then it was propagated);
 * a parameter's gradient: the gradients of its module's outputs and the module's forward inputs;
-* a parameter after the update: its gradient; a buffer after the update: its module's inputs;
+* a parameter after the update: its gradient (read a step earlier); a buffer after the update:
+  produced when nothing in the step's forward was non-finite, else nanscan cannot tell;
 * the loss: the model's outputs.
 
 A slot that went stale (its tensor was changed in place before it was summarized) is never an
@@ -26,6 +27,7 @@ import fnmatch
 from typing import Optional
 
 from nanscan.monitor.incident import PHASE_ORDER, Incident
+from nanscan.monitor.slots import at
 from nanscan.record import TensorSummary
 
 
@@ -35,9 +37,9 @@ def allowed(slot, patterns) -> bool:
 
 def _consumer(slots, slot):
     """For the gradient of a forward value: (name, incoming gradient slot indices, unique)."""
-    forward = slots[slot.grad_of]
+    forward = at(slots, slot.grad_of)
     frames = forward.consumers or ()
-    incoming = tuple(slots[o].grad for f in frames for o in f.outputs if slots[o].grad is not None)
+    incoming = tuple(at(slots, o).grad for f in frames for o in f.outputs if at(slots, o).grad is not None)
     if len(frames) == 1:
         return frames[0].info.name, incoming, True
     return slot.name, incoming, False
@@ -54,13 +56,19 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
         seen.add((s.step, s.phase))
         if s.derived and earlier:  # a compiled input row that an earlier non-finite value explains
             continue
-        if not s.candidate or s.stale or (s.step, s.phase) in first or allowed(s, allow):
+        if not s.candidate or s.stale or (s.step, s.phase) in first:
+            continue
+        s = at(slots, i)
+        if allowed(s, allow):
             continue
         name, inputs, sure = s.name, s.inputs, True
         if s.grad_of is not None:
             name, inputs, sure = _consumer(slots, s)
-        bad_inputs = tuple(slots[j].name for j in inputs if j in bad)
-        if any(slots[j].stale for j in inputs):
+        bad_inputs = tuple(at(slots, j).name for j in inputs if j in bad)
+        if s.known_bad_inputs is not None:  # inputs read in an earlier window
+            bad_inputs = tuple(s.known_bad_inputs)
+            produced = not bad_inputs
+        elif any(at(slots, j).stale for j in inputs):
             produced = None if not bad_inputs else False
         elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs and s.grad_of is None):
             produced = None

@@ -92,6 +92,7 @@ class EagerHooks:
         self.slots = monitor.slots
         self.phase: Optional[str] = None  # "forward" / "eval" while an outermost call records, else None
         self.backward_seen = False  # a gradient was recorded since the step began
+        self.recorded_forward = False  # a training forward was recorded in this read window
         self.root_outputs: tuple = ()
 
     def install(self) -> list:
@@ -123,72 +124,91 @@ class EagerHooks:
         self.known[id(t)] = (weakref.ref(t), None if t.is_inference() else t._version, index)
 
     # --------------------------------------------------------------- forward
+    # The hooks run for every module call: locals instead of attribute lookups, the single-tensor
+    # input / output handled without the generic walk, the tensor-identity map inlined.
     def _pre_hook(self, info: ModuleInfo):
-        monitor = self.monitor
+        monitor, hooks = self.monitor, self
+        alive, is_root, inplace = info.module, info.is_root, info.inplace
+        is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
 
         def pre_hook(module, args, kwargs):
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 monitor.traced.write_inputs(info, args, kwargs)
                 return None
-            if module is not info.module():  # a copy of the model (deepcopy, EMA) carries the hooks: not ours
+            if module is not alive():  # a copy of the model (deepcopy, EMA) carries the hooks: not ours
                 return None
-            stack = self.stack
+            stack = hooks.stack
             if _current_graph_task_id() != -1:  # recomputed inside a backward (checkpointing)
                 stack.append(None)
                 return None
-            if not stack or info.is_root:
+            if not stack or is_root:
                 stack.clear()  # (frames a forward that raised left behind)
-                self.phase = phase = monitor._forward_begins(info, args, kwargs)
-                if phase is not None:
-                    self.slots = monitor.slots if phase == "forward" else monitor.eval_slots
-                    self.known = self._known[phase]
-            phase = self.phase
+                hooks._begin(info, args, kwargs)
+            phase = hooks.phase
             if phase is None:
                 stack.append(None)
                 return None
-            slots = self.slots
-            parent = stack[-1] if stack else None
+            if len(args) == 1 and not kwargs and type(args[0]) is Tensor:
+                t = args[0]
+                found = (("input[0]", t),) if (t.is_floating_point() or t.is_complex()) else ()
+            else:
+                found = float_tensors(args, "input", []) if args else []
+                if kwargs:
+                    float_tensors(kwargs, "input", found)
             inputs = []
-            found = float_tensors(args, "input", []) if args else []
-            if kwargs:
-                float_tensors(kwargs, "input", found)
             frame = _Frame(info, inputs)
-            for label, t in found:
-                index = self._lookup(t)
-                if index is None:
-                    if parent is not None:  # made by an op in the parent's own body
-                        slot = Slot(monitor.step_index, phase, "activation", parent.info.name, t.dtype, t.shape,
-                                    tuple(parent.inputs), True, parent.info)
-                    else:  # the batch: recorded for attribution only
-                        slot = Slot(monitor.step_index, phase, "activation", f"{info.name}.{label}", t.dtype,
-                                    t.shape, (), False)
-                    slot.consumers = [frame]
-                    index = slots.add(t, slot)
-                    self._remember(t, index)
-                else:
-                    slot = slots.slots[index]
-                    if slot.consumers is None:
-                        slot.consumers = [frame]
+            if found:
+                slots, known = hooks.slots, hooks.known
+                for label, t in found:
+                    entry = known.get(id(t))
+                    if entry is not None and entry[0]() is t and (entry[1] is None or entry[1] == t._version):
+                        index = entry[2]
+                        slot = slots.slots[index]
+                        if slot.consumers is None:
+                            slot.consumers = [frame]
+                        else:
+                            slot.consumers.append(frame)
                     else:
-                        slot.consumers.append(frame)
-                inputs.append(index)
-            if info.inplace:
-                slots.flush()
+                        parent = stack[-1] if stack else None
+                        if parent is not None:  # made by an op in the parent's own body
+                            slot = Slot(monitor.step_index, phase, "activation", parent.info.name, t.dtype, t.shape,
+                                        tuple(parent.inputs), True, parent.info)
+                        else:  # the batch: recorded for attribution only
+                            slot = Slot(monitor.step_index, phase, "activation", f"{info.name}.{label}", t.dtype,
+                                        t.shape, (), False)
+                        slot.consumers = [frame]
+                        index = slots.add(t, slot)
+                        hooks._remember(t, index)
+                    inputs.append(index)
+                if inplace:
+                    slots.flush()
             stack.append(frame)
             return None
 
         return pre_hook
 
+    def _begin(self, info, args, kwargs) -> None:
+        """An outermost watched call starts: the monitor decides the phase (None: not recorded)."""
+        self.phase = phase = self.monitor._forward_begins(info, args, kwargs)
+        if phase is not None:
+            self.slots = self.monitor.slots if phase == "forward" else self.monitor.eval_slots
+            self.known = self._known[phase]
+            if phase == "forward":
+                self.recorded_forward = True
+
     def _post_hook(self, info: ModuleInfo):
-        monitor = self.monitor
+        monitor, hooks = self.monitor, self
+        alive, name, is_root = info.module, info.name, info.is_root
+        is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
+        grad_hook = self._grad_hook
 
         def post_hook(module, args, kwargs, output):
-            if torch.compiler.is_compiling():
+            if is_compiling():
                 monitor.traced.write_outputs(info, output)
                 return None
-            if module is not info.module():
+            if module is not alive():
                 return None
-            stack = self.stack
+            stack = hooks.stack
             if not stack:
                 return None
             frame = stack.pop()
@@ -197,20 +217,26 @@ class EagerHooks:
             if frame.info is not info:  # out of step: a forward raised and left its frames behind
                 stack.clear()
                 return None
-            phase = self.phase
-            slots = self.slots
-            step = monitor.step_index
+            phase, slots, known = hooks.phase, hooks.slots, hooks.known
             inputs = tuple(frame.inputs)
+            if type(output) is Tensor:
+                found = (("", output),) if (output.is_floating_point() or output.is_complex()) else ()
+            else:
+                found = float_tensors(output, "", [])
             outputs = []
-            record_grad = self.record_grads and phase == "forward"
-            for label, t in float_tensors(output, "", []):
-                index = self._lookup(t)
-                if index is None:
-                    index = slots.add(t, Slot(step, phase, "activation", info.name + label, t.dtype, t.shape,
-                                              inputs, True, info))
-                    self._remember(t, index)
-                    if record_grad and t.grad_fn is not None:
-                        t.grad_fn.register_prehook(self._grad_hook(index, t.output_nr))
+            record_grad = hooks.record_grads and phase == "forward"
+            for label, t in found:
+                entry = known.get(id(t))
+                if entry is not None and entry[0]() is t and (entry[1] is None or entry[1] == t._version):
+                    outputs.append(entry[2])  # an input or a child's output, returned unchanged
+                    continue
+                index = slots.add(t, Slot(monitor.step_index, phase, "activation", name + label if label else name,
+                                          t.dtype, t.shape, inputs, True, info))
+                hooks._remember(t, index)
+                if record_grad:
+                    node = t.grad_fn
+                    if node is not None:
+                        node.register_prehook(grad_hook(index, t.output_nr))
                 outputs.append(index)
             frame.outputs = outputs
             info.last_inputs, info.last_outputs = inputs, outputs
@@ -218,8 +244,8 @@ class EagerHooks:
                 slots.flush()
             if not stack:  # the forward ends: summarize before the loop can edit its tensors in place
                 slots.flush()
-                if info.is_root:
-                    self.root_outputs = tuple(outputs)
+                if is_root:
+                    hooks.root_outputs = tuple(outputs)
                 monitor._forward_ends(info)
             return None
 

@@ -43,7 +43,7 @@ from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
-from nanscan.monitor.slots import Slot, Slots
+from nanscan.monitor.slots import Block, Slot, Slots
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.traced import TracedRows
@@ -85,7 +85,9 @@ class Monitor:
         infos = [ModuleInfo(name or ROOT, m, m is model) for name, m in model.named_modules()]
         self._info_of = {info.name: info for info in infos}
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._param_owner = {id(p): self._info_of.get(n.rpartition(".")[0] or ROOT) for n, p in self._params}
+        self._param_names = [n for n, _ in self._params]
+        self._param_tensors = [p for _, p in self._params]
+        self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if buffers else []
         # Per read window: the records (production order); eval forwards have their own.
@@ -104,7 +106,8 @@ class Monitor:
         self._applied: Optional[bool] = False  # the update ran (None: a fused-AMP flag decides, read later)
         self._read_this_step = False
         self._in_flight: Optional[Copy] = None
-        self._last_grads = None  # (records, slots) of the parameter gradients read last, for the update
+        self._grads_read: dict = {}  # step -> (names with a gradient read, names non-finite)
+        self._forward_bad: dict = {}  # step -> whether its forward had a non-finite value
         self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._closed = False
         self._handles: list = []
@@ -219,40 +222,45 @@ class Monitor:
             self._end_step()
 
     def _record_after_update(self, optimizer) -> None:
-        """Parameters and floating buffers after the update (one launch group), and on request the
-        optimizer state; read with the next step's copy. A parameter's input is the gradient the
-        update used (its record, read a moment ago, is carried as a non-candidate slot)."""
-        slots, step = self.slots, self.step_index
+        """Parameters and floating buffers after the update (one launch group each), and on
+        request the optimizer state; read with the next step's copy. A parameter's input is the
+        gradient the update used, read (and decoded) a moment ago."""
+        step = self.step_index
         if self.params and self._params:
-            grad_index = {}
-            if self._last_grads is not None:
-                grad_rows, grad_slots = self._last_grads
-                base = len(slots)
-                slots.add_records(grad_rows, [Slot(g.step, "update", "grad", f"{g.name} (grad)", g.dtype, g.shape,
-                                                   (), False) for g in grad_slots])
-                grad_index = {g.name: base + k for k, g in enumerate(grad_slots)}
-            rows = self._summarize_many([p for _, p in self._params])
-            slots.add_records(rows, [Slot(step, "update", "param", name, p.dtype, p.shape,
-                                          (grad_index[name],) if name in grad_index else ())
-                                     for name, p in self._params])
-        self._last_grads = None
+            grads_read = self._grads_read.get(step)
+
+            def input_bad(k, names=self._param_names):
+                if grads_read is None or names[k] not in grads_read[0]:
+                    return None  # no gradient was read for it in this step
+                return (f"{names[k]} (grad)",) if names[k] in grads_read[1] else ()
+
+            rows = self._summarize_many(self._param_tensors)
+            self.slots.add_block(rows, Block(step, "update", "param", self._param_names, self._param_tensors,
+                                             self._param_owners, input_bad=input_bad), len(self._param_tensors))
         self._record_buffers(step)
         if self.optimizer_state:
             names = {id(p): n for n, p in self._params}
             for p, state in optimizer.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
-                        slots.add(value, Slot(step, "update", "optimizer_state", f"{names.get(id(p), '?')}.{key}",
-                                              value.dtype, value.shape, (), True))
+                        self.slots.add(value, Slot(step, "update", "optimizer_state",
+                                                   f"{names.get(id(p), '?')}.{key}", value.dtype, value.shape, (), True))
 
     def _record_buffers(self, step: int) -> None:
+        """Floating buffers after the update. They are produced by their module's forward (running
+        statistics) or by the loop (EMA): produced when the step's forward was finite."""
         if not self._buffers:
             return
-        rows = self._summarize_many([b for _, b, _ in self._buffers])
-        made = []
-        for name, b, owner in self._buffers:
-            made.append(Slot(step, "update", "buffer", name, b.dtype, b.shape, (), True, owner))
-        self.slots.add_records(rows, made)
+        forward_bad = self._forward_bad
+
+        def input_bad(k):
+            state = forward_bad.get(step)
+            return None if state is None else (("the step's forward",) if state else ())
+
+        tensors = [b for _, b, _ in self._buffers]
+        self.slots.add_block(self._summarize_many(tensors),
+                             Block(step, "update", "buffer", [n for n, _, _ in self._buffers], tensors,
+                                   [o for _, _, o in self._buffers], input_bad=input_bad), len(tensors))
 
     def _end_step(self, raise_incident: bool = True) -> None:
         """The step ends: ledger, the read if it was not read yet, the step log; next step."""
@@ -383,25 +391,28 @@ class Monitor:
             _attach_note(exc, f"nanscan.Monitor.close failed: {secondary!r}")
 
     # ------------------------------------------------------------------ reading
-    def _param_grad_slots(self, first_index: int, window: list):
-        """Slots + tensors of the parameter gradients as they are now (final: accumulated, and
-        unscaled if ``scaler.unscale_`` ran). Inputs: the gradients of the owner's outputs and the
-        owner's forward inputs (slot indices of this window)."""
-        grads, made = [], []
-        for name, p in self._params:
-            g = p.grad
-            if g is None:
-                continue
-            owner = self._param_owner.get(id(p))
-            inputs = ()
-            if owner is not None:
-                inputs = tuple(window[o].grad for o in owner.last_outputs if o < len(window)
-                               and window[o].grad is not None) + tuple(owner.last_inputs)
-            slot = Slot(self.step_index, "backward", "grad", name, g.dtype, g.shape, inputs, True, owner)
-            slot.param = p
-            grads.append(g)
-            made.append(slot)
-        return grads, made
+    def _param_grad_block(self, window: list):
+        """Records and a :class:`Block` of the parameter gradients as they are now (final:
+        accumulated, and unscaled if ``scaler.unscale_`` ran), or None. A gradient's inputs: the
+        gradients of its module's outputs and the module's forward inputs in this window."""
+        present = [k for k, p in enumerate(self._param_tensors) if p.grad is not None]
+        if not present:
+            return None
+        grads = [self._param_tensors[k].grad for k in present]
+        names = [self._param_names[k] for k in present]
+        owners = [self._param_owners[k] for k in present]
+        io = {id(o): (o.last_inputs, o.last_outputs) for o in set(owners) if o is not None}
+
+        def inputs(k):
+            owner = owners[k]
+            if owner is None:
+                return ()
+            last_inputs, last_outputs = io[id(owner)]
+            return tuple(window[o].grad for o in last_outputs if o < len(window) and type(window[o]) is Slot
+                         and window[o].grad is not None) + tuple(last_inputs)
+
+        return self._summarize_many(grads), Block(self.step_index, "backward", "grad", names, grads, owners,
+                                                  inputs=inputs, param=True)
 
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
@@ -409,14 +420,15 @@ class Monitor:
         slots, rows = self.slots.take()
         self.slots_generation += 1
         blocks = [rows] if rows is not None else []
-        grad_slots = []
+        recorded_forward, self.hooks.recorded_forward = self.hooks.recorded_forward, False
         if include_grads and self.grads and self._params:
-            grads, grad_slots = self._param_grad_slots(len(slots), slots)
-            if grads:
-                blocks.append(self._summarize_many(grads))
+            found = self._param_grad_block(slots)
+            if found is not None:
+                rows, block = found
+                block.start = len(slots)
+                blocks.append(rows)
+                slots = slots + [block] * len(block.names)
         self.hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
-        slots = slots + grad_slots
-        self._last_grads = (blocks[-1], grad_slots) if grad_slots else None
         handled = (not before_update and self.scaler is not None and self._attempted
                    and self._applied is False and not final)
         extras = []  # (what, tensor): read with the records, in the same copy
@@ -428,14 +440,19 @@ class Monitor:
         traced = self.traced.buffer if self.traced.used else None
         copy = Copy.start(blocks, slots, extras, traced, handled=handled, step=self.step_index,
                           non_blocking=self.mode == "async" and not final)
+        copy.recorded_forward = recorded_forward
         self.traced.reset()
+        # The earlier read first: its records were made first (async mode decodes a read late).
         previous, self._in_flight = self._in_flight, None
         if self.mode == "async" and not final:
             self._in_flight = copy
-        else:
-            self._decode(copy, raise_incident=raise_incident)
-        if previous is not None:
-            self._decode(previous, raise_incident=raise_incident)
+            copy = None
+        try:
+            if previous is not None:
+                self._decode(previous, raise_incident=raise_incident)
+        finally:
+            if copy is not None:
+                self._decode(copy, raise_incident=raise_incident)
 
     def _read_eval(self) -> None:
         slots, rows = self.eval_slots.take()
@@ -473,7 +490,8 @@ class Monitor:
             row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])
         phase = slots[0].phase if slots else None
         if phase != "eval":
-            self._check_hooks_ran(slots, step)
+            self._check_hooks_ran(copy, slots)
+            self._note_read(slots, bad, step)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
                                 handled_step=step if handled else None)
         self.incidents.extend(found)
@@ -513,16 +531,30 @@ class Monitor:
             for inc in incidents:
                 self.steplog.incident(inc, self.bundle_path if inc.step == self._capturer.bundle_step else None)
 
-    def _check_hooks_ran(self, slots, step) -> None:
+    def _note_read(self, slots, bad, step) -> None:
+        """What later windows need of this one: which parameters had a gradient read (and which of
+        those were non-finite) for the update records, and whether the forward was finite for the
+        buffer records. Kept for the last few steps."""
+        for s in slots:
+            if type(s) is Block and s.param:
+                names = set(s.names)
+                bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)}
+                self._grads_read[s.step] = (names, bad_names)
+                break
+        self._forward_bad[step] = any(slots[i].phase == "forward" and slots[i].candidate for i in bad)
+        for old in [k for k in self._grads_read if k < step - 2]:
+            del self._grads_read[old]
+        for old in [k for k in self._forward_bad if k < step - 2]:
+            del self._forward_bad[old]
+
+    def _check_hooks_ran(self, copy: Copy, slots) -> None:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:
         typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph never
         calls hooks added later. Attribution would then be wrong, so refuse loudly."""
-        if not self.activations:
+        if not self.activations or getattr(copy, "recorded_forward", True) or copy.traced:
             return
-        this_step = [s for s in slots if s.step == step]
-        if any(s.phase == "forward" for s in this_step):
-            return
-        if any(s.phase in ("loss", "backward") for s in this_step):
+        if any(type(s) is Block and s.param for s in slots[-1:]) or any(
+                s.phase in ("loss", "backward") and s.step == copy.step for s in slots if type(s) is Slot):
             raise RuntimeError(
                 "nanscan.watch: the model's forward hooks did not run in this step although a loss / gradients "
                 "were seen. If the model was compiled before it was watched, the compiled graph never calls "

@@ -38,7 +38,7 @@ class Slot:
     parameter gradient read at the check, the parameter."""
 
     __slots__ = ("step", "phase", "kind", "name", "dtype", "shape", "inputs", "candidate", "owner",
-                 "consumers", "grad", "grad_of", "param", "stale", "derived")
+                 "consumers", "grad", "grad_of", "param", "stale", "derived", "known_bad_inputs")
 
     def __init__(self, step, phase, kind, name, dtype, shape, inputs=(), candidate=True, owner=None):
         self.step, self.phase, self.kind, self.name = step, phase, kind, name
@@ -47,6 +47,8 @@ class Slot:
         self.stale = False
         # A compiled-path input row: a body value only if nothing earlier in its phase was non-finite.
         self.derived = False
+        # Inputs read in an earlier window: the names of the non-finite ones (() = all finite), or None.
+        self.known_bad_inputs = None
 
 
 class Slots:
@@ -83,13 +85,14 @@ class Slots:
             self.flush()
         return len(self.slots) - 1
 
-    def add_records(self, rows: torch.Tensor, slots: list) -> None:
-        """Slots whose records were computed already (``rows``: ``[len(slots), RECORD_SIZE]``)."""
-        if not slots:
+    def add_block(self, rows: torch.Tensor, block: "Block", n: int) -> None:
+        """A :class:`Block` of ``n`` rows whose records were computed already (``rows``)."""
+        if not n:
             return
         self.flush()
+        block.start = len(self.slots)
         self.blocks.append(rows)
-        self.slots.extend(slots)
+        self.slots.extend([block] * n)
 
     def flush(self) -> None:
         """Summarize the queued tensors (one launch group)."""
@@ -120,3 +123,39 @@ class Slots:
 
 def empty_records(device) -> torch.Tensor:
     return torch.empty(0, RECORD_SIZE, dtype=torch.float64, device=device)
+
+
+class Block:
+    """Rows of one launch group whose :class:`Slot` objects are made only when looked at:
+    parameters, their gradients and buffers -- hundreds of rows a step, almost never non-finite,
+    so building a Python object per row per step would be most of the monitor's host cost. In a
+    slot list the block stands in for each of its rows; :func:`at` materializes one.
+
+    ``tensors``: the live parameters / buffers (dtype and shape are read from them when a row is
+    materialized); ``names`` and ``owners`` per row; ``inputs(k)`` -> slot indices of row k's inputs
+    in the same window, or ``input_bad(k)`` -> the names of its non-finite inputs (() when all were
+    finite, None when unknown) for inputs that were read in an earlier window."""
+
+    candidate, stale, derived, grad_of, consumers, grad = True, False, False, None, None, None
+
+    def __init__(self, step, phase, kind, names, tensors, owners, *, inputs=None, input_bad=None, param=False):
+        self.step, self.phase, self.kind = step, phase, kind
+        self.names, self.tensors, self.owners = names, tensors, owners
+        self.inputs_of, self.input_bad = inputs, input_bad
+        self.param = True if param else None  # parameter gradients: the step log sums their norms
+        self.start = 0
+
+    def slot(self, index: int) -> Slot:
+        k = index - self.start
+        t = self.tensors[k]
+        slot = Slot(self.step, self.phase, self.kind, self.names[k], t.dtype, tuple(t.shape),
+                    self.inputs_of(k) if self.inputs_of is not None else (), True, self.owners[k])
+        if self.input_bad is not None:
+            slot.known_bad_inputs = self.input_bad(k)
+        return slot
+
+
+def at(slots: list, index: int) -> Slot:
+    """The slot at ``index`` of a window's slot list (materializing block rows)."""
+    s = slots[index]
+    return s.slot(index) if type(s) is Block else s
