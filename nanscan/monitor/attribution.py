@@ -50,12 +50,20 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
     record as a list of floats; ``bad`` holds the indices of slots with a non-finite element;
     gradient incidents of ``handled_step`` are marked handled by GradScaler."""
     first, seen = {}, set()
+    last_bad = {}  # (step, phase) -> the latest non-finite slot that is not a compiled input row
+    explained_by = {}  # compiled input row -> that slot: the value it most likely is (no identity in a graph)
     for i in sorted(bad):
         s = slots[i]
+        if s.late:  # the root's output, recorded eagerly after a compiled forward (decoded before its rows)
+            continue
         earlier = (s.step, s.phase) in seen
         seen.add((s.step, s.phase))
         if s.derived and earlier:  # a compiled input row that an earlier non-finite value explains
+            if (s.step, s.phase) in last_bad:
+                explained_by[i] = last_bad[(s.step, s.phase)]
             continue
+        if not s.derived:
+            last_bad[(s.step, s.phase)] = i
         if not s.candidate or s.stale or (s.step, s.phase) in first:
             continue
         s = at(slots, i)
@@ -64,7 +72,7 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
         name, inputs, sure = s.name, s.inputs, True
         if s.grad_of is not None:
             name, inputs, sure = _consumer(slots, s)
-        bad_inputs = tuple(at(slots, j).name for j in inputs if j in bad)
+        bad_inputs = tuple(dict.fromkeys(at(slots, explained_by.get(j, j)).name for j in inputs if j in bad))
         if s.known_bad_inputs is not None:  # inputs read in an earlier window
             bad_inputs = tuple(s.known_bad_inputs)
             produced = not bad_inputs

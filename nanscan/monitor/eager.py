@@ -37,6 +37,25 @@ ROOT = "(model)"
 _current_graph_task_id = torch._C._current_graph_task_id
 
 
+def _run_eagerly_as_frame(fn):
+    """Have dynamo run ``fn`` -- and everything it calls -- eagerly whenever ``fn`` is a frame of its
+    own, while still inlining it where it is called from code dynamo traces.
+
+    Why: ``torch.compile(model)`` calls the root module's hooks outside the compiled forward, each
+    as a frame of its own, so a root hook that dynamo compiles adds a graph (3 graphs where the
+    unwatched model has 1). Run eagerly there, the root hooks do the eager bookkeeping (the step,
+    the batch) at no graph cost. Under ``fullgraph=True`` or a compiled training step, the root's
+    hooks are inlined and take the compiled path like every other module's. Where this torch has
+    no per-code execution strategy, nothing changes (an extra graph, the same answers)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    except Exception:  # pragma: no cover - older torch
+        pass
+    return fn
+
+
 class ModuleInfo:
     """What the hooks of one module need, computed once at ``watch``."""
 
@@ -51,6 +70,18 @@ class ModuleInfo:
         self.eager = False  # its outputs were changed in place after its hook once: never batch them
         self.last_inputs: tuple = ()  # slot indices of the inputs / outputs of its last call this window
         self.last_outputs: tuple = ()
+
+
+def _root_hooks(pre, post):
+    """The root's hooks as functions with code objects of their own (see _run_eagerly_as_frame)."""
+
+    def root_pre_hook(module, args, kwargs):
+        return pre(module, args, kwargs)
+
+    def root_post_hook(module, args, kwargs, output):
+        return post(module, args, kwargs, output)
+
+    return _run_eagerly_as_frame(root_pre_hook), _run_eagerly_as_frame(root_post_hook)
 
 
 def float_tensors(value, prefix: str, out: list) -> list:
@@ -99,8 +130,11 @@ class EagerHooks:
         handles = []
         for info in self.infos:
             module = info.module()
-            handles.append(module.register_forward_pre_hook(self._pre_hook(info), with_kwargs=True))
-            handles.append(module.register_forward_hook(self._post_hook(info), with_kwargs=True))
+            pre, post = self._pre_hook(info), self._post_hook(info)
+            if info.is_root:
+                pre, post = _root_hooks(pre, post)
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(module.register_forward_hook(post, with_kwargs=True))
         return handles
 
     def reset(self, phase: str = "forward") -> None:
@@ -225,13 +259,18 @@ class EagerHooks:
                 found = float_tensors(output, "", [])
             outputs = []
             record_grad = hooks.record_grads and phase == "forward"
+            # The root's own outputs after a compiled forward: its eager record would precede the
+            # graph's rows in production order, so it only serves attribution (the loss).
+            candidate = not (is_root and monitor.traced.used)
             for label, t in found:
                 entry = known.get(id(t))
                 if entry is not None and entry[0]() is t and (entry[1] is None or entry[1] == t._version):
                     outputs.append(entry[2])  # an input or a child's output, returned unchanged
                     continue
-                index = slots.add(t, Slot(monitor.step_index, phase, "activation", name + label if label else name,
-                                          t.dtype, t.shape, inputs, True, info))
+                slot = Slot(monitor.step_index, phase, "activation", name + label if label else name, t.dtype, t.shape,
+                            inputs, candidate, info)
+                slot.late = not candidate
+                index = slots.add(t, slot)
                 hooks._remember(t, index)
                 if record_grad:
                     node = t.grad_fn

@@ -207,7 +207,12 @@ class Monitor:
             return None
         self._attempted = True
         if self.checking:
-            self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
+            try:
+                self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
+            except NonFiniteError:
+                if not self._explicit:  # the update will not run: the step ends here, skipped
+                    self._end_step(raise_incident=False)
+                raise
         return None
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):

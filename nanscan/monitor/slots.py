@@ -38,7 +38,7 @@ class Slot:
     parameter gradient read at the check, the parameter."""
 
     __slots__ = ("step", "phase", "kind", "name", "dtype", "shape", "inputs", "candidate", "owner",
-                 "consumers", "grad", "grad_of", "param", "stale", "derived", "known_bad_inputs")
+                 "consumers", "grad", "grad_of", "param", "stale", "derived", "known_bad_inputs", "late")
 
     def __init__(self, step, phase, kind, name, dtype, shape, inputs=(), candidate=True, owner=None):
         self.step, self.phase, self.kind, self.name = step, phase, kind, name
@@ -49,6 +49,8 @@ class Slot:
         self.derived = False
         # Inputs read in an earlier window: the names of the non-finite ones (() = all finite), or None.
         self.known_bad_inputs = None
+        # Recorded eagerly after a compiled forward whose rows are decoded after it: not a producer.
+        self.late = False
 
 
 class Slots:
@@ -136,7 +138,7 @@ class Block:
     in the same window, or ``input_bad(k)`` -> the names of its non-finite inputs (() when all were
     finite, None when unknown) for inputs that were read in an earlier window."""
 
-    candidate, stale, derived, grad_of, consumers, grad = True, False, False, None, None, None
+    candidate, stale, derived, late, grad_of, consumers, grad = True, False, False, False, None, None, None
 
     def __init__(self, step, phase, kind, names, tensors, owners, *, inputs=None, input_bad=None, param=False):
         self.step, self.phase, self.kind = step, phase, kind

@@ -35,7 +35,8 @@ class StepCapture:
                          copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                          copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
         if forward_inputs is not None:
-            kept = B.clone_batch(tuple(forward_inputs[0]), forward_inputs[1])
+            args, kwargs = forward_inputs
+            kept = B.clone_batch(args[0]) if len(args) == 1 and not kwargs else B.clone_batch(tuple(args), kwargs)
         else:
             kept = B.clone_batch(batch) if batch is not None else None
         self.saved[step] = {"batch": kept, "rng": B.capture_rng(),

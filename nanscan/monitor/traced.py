@@ -115,8 +115,9 @@ class TracedRows:
         if not self._recording():
             return
         base = self.base[info.name]
-        for k, (label, t) in enumerate(float_tensors((args, kwargs), "", [])[:INPUTS]):
-            _note(id(self), base + k, f"{info.name}.input{label}" if info.is_root else None, t.dtype)
+        found = float_tensors(kwargs, "input", float_tensors(args, "input", []))  # labels as eager gives them
+        for k, (label, t) in enumerate(found[:INPUTS]):
+            _note(id(self), base + k, f"{info.name}.{label}" if info.is_root else None, t.dtype)
             self._write(base + k, t)
 
     def write_outputs(self, info, output) -> None:

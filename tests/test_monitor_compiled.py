@@ -1,0 +1,137 @@
+"""Compiled = eager: every forward fault planted in the monitor tests gives the same incident (step,
+phase, kind, name, produced, shape) under torch.compile (default and fullgraph, aot_eager and
+inductor) as in eager mode; watching adds no graph; eval forwards between compiled steps change
+nothing; where the compiled path cannot know (gradients inside the graph), it says so."""
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+from tests.test_monitor_loops import AttnNet, Net, SqNet, key
+
+BACKENDS = ["aot_eager", "inductor"]
+
+
+def run(model, steps, plant, compile_kw=None, eval_between=False):
+    """Plain loop (no mon.step); returns the incident (or None) and the monitor."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    fwd = torch.compile(model, **compile_kw) if compile_kw is not None else model
+    torch.manual_seed(1)
+    try:
+        with mon:
+            for i in range(steps):
+                x = plant(model, i)
+                fwd(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if eval_between:
+                    with torch.no_grad():
+                        fwd(torch.randn_like(x))
+    except nanscan.NonFiniteError as e:
+        return e.incident, mon
+    return None, mon
+
+
+def block_fault(model, i):
+    model.block.fault = i == 2
+    return torch.randn(4, 8)
+
+
+def nan_batch(model, i):
+    x = torch.randn(4, 8)
+    if i == 1:
+        x[1, 2] = float("nan")
+    return x
+
+
+def masked_attention(model, i):
+    model.attn.mask_all = i == 1
+    return torch.randn(2, 5, 8)
+
+
+CASES = {"block_fault": (Net, block_fault), "nan_batch": (Net, nan_batch), "masked_attention": (AttnNet, masked_attention)}
+
+
+def incident_tuple(inc):
+    return key(inc) + (inc.summary.shape, inc.summary.nan_count + inc.summary.posinf_count + inc.summary.neginf_count)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_incident_equals_eager(case, fullgraph, backend):
+    make, plant = CASES[case]
+    torch.manual_seed(0)
+    eager, _ = run(make(), 4, plant)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph))
+    assert eager is not None and compiled is not None
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert compiled.inputs == eager.inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_forwards_between_compiled_steps_change_nothing(backend):
+    torch.manual_seed(0)
+    eager, _ = run(Net(), 4, block_fault)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled, _ = run(Net(), 4, block_fault, dict(backend=backend), eval_between=True)
+    assert incident_tuple(compiled) == incident_tuple(eager) and compiled.produced is True
+
+
+def _graphs(model, watch):
+    torch._dynamo.reset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt) if watch else None
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.utils.counters.clear()
+    for _ in range(3):
+        compiled(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            compiled(torch.randn(4, 8))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    if mon is not None:
+        mon.close()
+    return graphs, breaks
+
+
+def test_watching_adds_no_graph_and_no_break():
+    torch.manual_seed(0)
+    assert _graphs(Net(), watch=True) == _graphs(Net(), watch=False)
+
+
+def test_compiled_backward_fault_is_not_guessed():
+    # Gradients of module outputs inside a compiled graph are not recorded: the parameter gradient
+    # downstream of the fault is reported, in the right step and phase, with produced=None
+    # ("cannot tell") -- never a module named as the producer.
+    torch.manual_seed(0)
+    model = SqNet()
+
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    torch._dynamo.reset()
+    inc, _ = run(model, 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
+    assert "cannot tell" in str(inc)
+
+
+@pytest.mark.xfail(strict=True, reason="gradients of module outputs inside compiled graphs are not recorded yet")
+def test_compiled_backward_fault_equals_eager():
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    torch.manual_seed(0)
+    eager, _ = run(SqNet(), 3, plant)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled, _ = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert key(compiled) == key(eager)

@@ -1,0 +1,431 @@
+"""nanscan.watch on the loops people run: one call and no other change to the loop (no mon.step),
+gradient accumulation, no optimizer, eval / no_grad / inference_mode forwards between steps,
+compiled re-runs, model copies, buffers, checkpointing. Each planted fault asserts step, phase,
+name, kind and produced; where nanscan cannot know, it must say so."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+import nanscan
+
+INF = float("inf")
+
+
+class Block(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.fault = False
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.log(h - 100.0) if self.fault else torch.tanh(h)
+
+
+class Net(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.embed = nn.Linear(d, d)
+        self.block = Block(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.block(self.embed(x)))
+
+
+def key(inc):
+    return (inc.step, inc.phase, inc.name, inc.kind, inc.produced)
+
+
+def plain_loop(model, opt, steps, fault_at=None, accumulate=1, x_fn=None):
+    """The loop a user writes: no mon.step(), no check_loss."""
+    torch.manual_seed(0)
+    losses = []
+    for i in range(steps):
+        for micro in range(accumulate):
+            model.block.fault = fault_at == (i, micro) or fault_at == i
+            x = x_fn(i, micro) if x_fn else torch.randn(4, 8)
+            loss = model(x).pow(2).mean() / accumulate
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_plain_loop_without_mon_step_stops_at_the_fault():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        plain_loop(model, opt, 6, fault_at=3)
+    assert key(err.value.incident) == (3, "forward", "block", "activation", True)
+    assert mon.ledger.attempted == 4 and mon.ledger.applied == 3 and mon.ledger.skipped_steps == [3]
+
+
+def test_every_step_is_checked_and_counted_without_mon_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+        plain_loop(model, opt, 5)
+        assert mon.step_index == 5
+    assert mon.incidents == [] and (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped) == (5, 5, 0)
+
+
+def test_gradient_accumulation_is_one_step_per_optimizer_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt) as mon:
+        plain_loop(model, opt, 3, accumulate=4)
+        assert mon.step_index == 3
+    assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped_steps) == (3, 3, [])
+    # a fault in the third micro-batch of step 1 is named in step 1, produced in block
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        plain_loop(model, opt, 3, accumulate=4, fault_at=(1, 2))
+    assert key(err.value.incident) == (1, "forward", "block", "activation", True)
+
+
+def test_nan_gradient_of_an_earlier_micro_batch_is_not_blamed_on_a_later_one():
+    # micro-batch 0 of step 1 makes a NaN only in the gradient of `head.weight` (hook), micro-batch 1
+    # is clean: the accumulated gradient is NaN and must be reported once, in step 1, as the
+    # gradient -- not as something micro-batch 1 produced in its forward.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    poison = {"on": False}
+    model.head.weight.register_hook(lambda g: g * float("nan") if poison["on"] else g)
+    mon = nanscan.watch(model, opt, on_nonfinite="record")
+    with mon:
+        for i in range(3):
+            for micro in range(2):
+                poison["on"] = (i, micro) == (1, 0)
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    found = [(i.step, i.phase, i.name, i.kind) for i in mon.incidents]
+    assert found[0] == (1, "backward", "head.weight", "grad")
+    assert not any(i.step == 1 and i.phase == "forward" for i in mon.incidents)
+    # (record mode lets the NaN update through: step 2's forward then meets a NaN weight in `head`)
+
+
+def test_every_n_ledger_counts_every_step():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt, every=3) as mon:
+        plain_loop(model, opt, 7)
+    assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped) == (7, 7, 0)
+
+
+def test_no_optimizer_steps_end_at_the_next_training_forward():
+    torch.manual_seed(0)
+    model = Net()
+    mon = nanscan.watch(model)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(5):
+            model.block.fault = i == 2
+            model(torch.randn(4, 8)).sum().backward()
+            model.zero_grad()
+    assert key(err.value.incident) == (2, "forward", "block", "activation", True)
+    # the last step of a loop without optimizer is read at close
+    torch.manual_seed(0)
+    model = Net()
+    mon = nanscan.watch(model, on_nonfinite="record")
+    with mon:
+        for i in range(3):
+            model.block.fault = i == 2
+            model(torch.randn(4, 8)).sum().backward()
+    assert [key(i) for i in mon.incidents][0] == (2, "forward", "block", "activation", True)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "inference_mode", "eval"])
+def test_eval_forwards_between_steps_never_disturb_training_steps(how):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+
+    def evaluate():
+        if how == "no_grad":
+            with torch.no_grad():
+                model(torch.randn(2, 8))
+        elif how == "inference_mode":
+            with torch.inference_mode():
+                model(torch.randn(2, 8))
+        else:
+            model.eval()
+            model(torch.randn(2, 8))
+            model.train()
+
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(5):
+            model.block.fault = i == 3
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            evaluate()  # after the backward, before the update: a validation pass mid-step
+            opt.step()
+            opt.zero_grad()
+            evaluate()
+    assert key(err.value.incident) == (3, "forward", "block", "activation", True)
+    assert mon.step_index == 4 and mon.ledger.applied == 3 and mon.ledger.skipped_steps == [3]  # stopped before its update
+
+
+def test_eval_incident_is_phase_eval_and_warned_not_raised_by_default():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt) as mon:
+        plain_loop(model, opt, 2)
+        model.block.fault = True
+        with torch.no_grad(), pytest.warns(RuntimeWarning, match="phase eval"):
+            model(torch.randn(2, 8))
+        model.block.fault = False
+        plain_loop(model, opt, 2)
+    assert [key(i) for i in mon.incidents] == [(2, "eval", "block", "activation", True)]
+    assert mon.ledger.applied == 4
+    with nanscan.watch(model, opt, eval_forwards="raise") as mon2:
+        model.block.fault = True
+        with torch.no_grad(), pytest.raises(nanscan.NonFiniteError):
+            model(torch.randn(2, 8))
+        model.block.fault = False
+    with nanscan.watch(model, opt, eval_forwards="skip") as mon3:
+        model.block.fault = True
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+        model.block.fault = False
+    assert mon3.incidents == []
+
+
+class Attention(nn.Module):
+    """softmax over a fully masked row (NaN) made in the module's own body, then fed to a child."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.qk = nn.Linear(d, d)
+        self.proj = nn.Linear(d, d)
+        self.mask_all = False
+
+    def forward(self, x):
+        scores = self.qk(x) @ x.transpose(-1, -2)
+        if self.mask_all:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), -INF)
+        return self.proj(F.softmax(scores, dim=-1) @ x)
+
+
+class AttnNet(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.attn = Attention(d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.head(self.attn(self.inp(x)))
+
+
+def test_functional_op_in_a_module_body_is_blamed_on_that_module_not_its_child():
+    torch.manual_seed(0)
+    model = AttnNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            model.attn.mask_all = i == 1
+            model(torch.randn(2, 5, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert key(err.value.incident) == (1, "forward", "attn", "activation", True)
+    assert err.value.incident.summary.shape == (2, 5, 8)  # the real shape of the body value
+
+
+class SqrtZero(nn.Module):
+    """Finite forward (x + sqrt(0 * x) = x), NaN gradient: d sqrt(u)/du at u = 0 is inf, times 0."""
+
+    def forward(self, x):
+        return x + torch.sqrt(x * 0.0)
+
+
+class SqNet(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.sq = SqrtZero()
+        self.head = nn.Linear(d, 1)
+        self.fault = False
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.sq(h) if self.fault else h)
+
+
+def test_backward_only_fault_is_named_after_the_module_whose_backward_made_it():
+    torch.manual_seed(0)
+    model = SqNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            model.fault = i == 1
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert key(err.value.incident) == (1, "backward", "sq", "grad", True)
+
+
+def test_batchnorm_running_var_overflow_is_a_buffer_incident():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(1))
+    model(torch.randn(2, 3, 6, 6))  # materialize the lazy layer
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            if i == 1:
+                with torch.no_grad():
+                    model[0].weight.mul_(1e30)  # conv outputs ~1e30: finite; their variance is not
+            model(torch.randn(2, 3, 6, 6)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind) == (1, "update", "1.running_var", "buffer")
+    assert inc.summary.shape == (4,)
+    with nanscan.watch(model, opt, buffers=False, on_nonfinite="record") as mon2:
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+        opt.step()
+    assert all(i.kind != "buffer" for i in mon2.incidents)
+
+
+def test_a_deep_copy_of_the_watched_model_is_not_watched_and_never_blamed():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt) as mon:
+        ema = copy.deepcopy(model)  # an EMA / teacher copy made while watched
+        ema.block.fault = True  # NaN only in the copy
+        for _ in range(3):
+            with torch.no_grad():
+                ema(torch.randn(4, 8))
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert mon.incidents == []
+
+
+def test_non_reentrant_checkpointing_is_not_double_counted():
+    class Ckpt(Net):
+        def forward(self, x):
+            h = self.embed(x)
+            h = checkpoint(self.block, h, use_reentrant=False)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Ckpt()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    seen = []
+    mon = nanscan.watch(model, opt)
+    original = mon._decode
+
+    def spy(copy_, **kw):
+        seen.append([s.name for s in copy_.slots if getattr(s, "phase", None) == "forward"])
+        return original(copy_, **kw)
+
+    mon._decode = spy
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            model.block.fault = i == 2
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert seen[0].count("block") == 1  # the recomputation in the backward is not recorded again
+    assert key(err.value.incident) == (2, "forward", "block", "activation", True)
+
+
+class DictOut(nn.Module):
+    """HF-style: keyword batch in, a mapping out."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Net()
+
+    def forward(self, input_ids=None, labels=None):
+        logits = self.body(input_ids)
+        return {"logits": logits, "loss": (logits - labels).pow(2).mean()}
+
+
+def test_dict_batch_and_mapping_output_plain_loop():
+    torch.manual_seed(0)
+    model = DictOut()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            batch = {"input_ids": torch.randn(4, 8), "labels": torch.randn(4, 1)}
+            if i == 1:
+                batch["labels"][0, 0] = INF
+            out = model(**batch)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    # the loss made inside the root's body from a non-finite label: propagated from the batch
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "forward", "(model).loss", "activation",
+                                                                       False)
+    assert inc.inputs == ("(model).input.labels",)
+
+
+def test_capture_without_mon_step_keeps_the_forward_inputs(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, capture_dir=str(tmp_path))
+    xs = []
+
+    def x_fn(i, micro):
+        xs.append(torch.randn(4, 8))
+        return xs[-1]
+
+    with pytest.raises(nanscan.NonFiniteError), mon:
+        plain_loop(model, opt, 4, fault_at=2, x_fn=x_fn)
+    bundle = nanscan.load_bundle(mon.bundle_path)
+    assert torch.equal(bundle.inputs, xs[2])
+
+
+def test_module_returning_its_own_parameter_gets_no_hook_per_step():
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(8))
+
+        def forward(self):
+            return self.w
+
+    class UsesTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = Table()
+            self.lin = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.lin(x * self.table())
+
+    torch.manual_seed(0)
+    model = UsesTable()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt) as mon:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert model.table.w._backward_hooks in (None, {}) or len(model.table.w._backward_hooks) == 0
+    assert mon.incidents == []
