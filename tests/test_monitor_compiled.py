@@ -1,7 +1,8 @@
 """Compiled = eager: every forward fault planted in the monitor tests gives the same incident (step,
 phase, kind, name, produced, shape) under torch.compile (default and fullgraph, aot_eager and
 inductor) as in eager mode; watching adds no graph; eval forwards between compiled steps change
-nothing; where the compiled path cannot know (gradients inside the graph), it says so."""
+nothing; backward faults inside compiled graphs are named like eager ones; where the compiled path
+cannot know (a gradient it could not tap), it says so."""
 import pytest
 import torch
 from torch import nn
@@ -106,25 +107,11 @@ def test_watching_adds_no_graph_and_no_break():
     assert _graphs(Net(), watch=True) == _graphs(Net(), watch=False)
 
 
-def test_compiled_backward_fault_is_not_guessed():
-    # Gradients of module outputs inside a compiled graph are not recorded: the parameter gradient
-    # downstream of the fault is reported, in the right step and phase, with produced=None
-    # ("cannot tell") -- never a module named as the producer.
-    torch.manual_seed(0)
-    model = SqNet()
-
-    def plant(m, i):
-        m.fault = i == 1
-        return torch.randn(4, 8)
-
-    torch._dynamo.reset()
-    inc, _ = run(model, 3, plant, dict(backend="aot_eager", fullgraph=True))
-    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
-    assert "cannot tell" in str(inc)
-
-
-@pytest.mark.xfail(strict=True, reason="gradients of module outputs inside compiled graphs are not recorded yet")
-def test_compiled_backward_fault_equals_eager():
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_backward_fault_equals_eager(backend, fullgraph):
+    # Inside the graph, taps on module inputs and outputs record the gradients (an autograd
+    # Function whose backward writes the gradient's record into the buffer).
     def plant(m, i):
         m.fault = i == 1
         return torch.randn(4, 8)
@@ -133,5 +120,37 @@ def test_compiled_backward_fault_equals_eager():
     eager, _ = run(SqNet(), 3, plant)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled, _ = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
-    assert key(compiled) == key(eager)
+    compiled, _ = run(SqNet(), 3, plant, dict(backend=backend, fullgraph=fullgraph))
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert key(eager) == (1, "backward", "sq", "grad", True)
+
+
+class DictSq(nn.Module):
+    """The backward-only fault of SqrtZero, in a module that returns a dict: its output is not
+    tapped inside a compiled graph (only tensors, tuples and lists are), so the gradient flowing
+    into it is unknown there."""
+
+    def forward(self, x):
+        return {"y": x + torch.sqrt(x * 0.0)}
+
+
+class DictSqNet(SqNet):
+    def __init__(self):
+        super().__init__()
+        self.sq = DictSq()
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.sq(h)["y"] if self.fault else h)
+
+
+def test_compiled_backward_fault_without_output_gradient_is_not_guessed():
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inc, _ = run(DictSqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "backward", "sq", "grad", None)
+    assert "cannot tell" in str(inc)

@@ -45,14 +45,16 @@ def _consumer(slots, slot):
     return slot.name, incoming, False
 
 
-def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[int], rank: int) -> list:
+def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[int], rank: int,
+                    position=None) -> list:
     """Incidents, one per (step, phase), sorted in training order. ``values(i)`` gives slot i's
     record as a list of floats; ``bad`` holds the indices of slots with a non-finite element;
-    gradient incidents of ``handled_step`` are marked handled by GradScaler."""
+    gradient incidents of ``handled_step`` are marked handled by GradScaler; ``position(i)``
+    orders slots in production order where index order is not (default: index order)."""
     first, seen = {}, set()
     last_bad = {}  # (step, phase) -> the latest non-finite slot that is not a compiled input row
     explained_by = {}  # compiled input row -> that slot: the value it most likely is (no identity in a graph)
-    for i in sorted(bad):
+    for i in sorted(bad, key=position):
         s = slots[i]
         if s.late:  # the root's output, recorded eagerly after a compiled forward (decoded before its rows)
             continue

@@ -27,6 +27,7 @@ they were recorded when they first ran.
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Optional
 
 import torch
@@ -167,8 +168,7 @@ class EagerHooks:
 
         def pre_hook(module, args, kwargs):
             if is_compiling():
-                monitor.traced.write_inputs(info, args, kwargs)
-                return None
+                return monitor.traced.write_inputs(info, args, kwargs)
             if module is not alive():  # a copy of the model (deepcopy, EMA) carries the hooks: not ours
                 return None
             stack = hooks.stack
@@ -234,12 +234,11 @@ class EagerHooks:
         monitor, hooks = self.monitor, self
         alive, name, is_root = info.module, info.name, info.is_root
         is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
-        grad_hook = self._grad_hook
+        on_grad = self._on_grad
 
         def post_hook(module, args, kwargs, output):
             if is_compiling():
-                monitor.traced.write_outputs(info, output)
-                return None
+                return monitor.traced.write_outputs(info, output)
             if module is not alive():
                 return None
             stack = hooks.stack
@@ -275,7 +274,7 @@ class EagerHooks:
                 if record_grad:
                     node = t.grad_fn
                     if node is not None:
-                        node.register_prehook(grad_hook(index, t.output_nr))
+                        node.register_prehook(partial(on_grad, index, t.output_nr, monitor.slots_generation))
                 outputs.append(index)
             frame.outputs = outputs
             info.last_inputs, info.last_outputs = inputs, outputs
@@ -291,21 +290,20 @@ class EagerHooks:
         return post_hook
 
     # --------------------------------------------------------------- backward
-    def _grad_hook(self, index: int, output_nr: int):
+    def _on_grad(self, index: int, output_nr: int, generation: int, grad_outputs):
+        """Pre-hook of the autograd node that made a recorded output: ``grad_outputs[output_nr]``
+        is the gradient flowing into that output. (Registered as a ``functools.partial``: one
+        small object per output per step, where a closure would be three -- allocations are what
+        make Python's garbage collector run during the step.)"""
         monitor = self.monitor
-
-        def grad_hook(grad_outputs):
-            grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
-            if grad is None or monitor._closed or monitor.slots_generation != generation:
-                return None
-            slots = monitor.slots
-            forward = slots.slots[index]
-            slot = Slot(monitor.step_index, "backward", "grad", f"{forward.name} (output grad)", grad.dtype,
-                        grad.shape, (), True, forward.owner)
-            slot.grad_of = index
-            forward.grad = slots.add(grad, slot)
-            self.backward_seen = True
+        grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
+        if grad is None or monitor._closed or monitor.slots_generation != generation:
             return None
-
-        generation = monitor.slots_generation
-        return grad_hook
+        slots = monitor.slots
+        forward = slots.slots[index]
+        slot = Slot(monitor.step_index, "backward", "grad", f"{forward.name} (output grad)", grad.dtype,
+                    grad.shape, (), True, forward.owner)
+        slot.grad_of = index
+        forward.grad = slots.add(grad, slot)
+        self.backward_seen = True
+        return None

@@ -426,11 +426,12 @@ class Monitor:
         self.slots_generation += 1
         blocks = [rows] if rows is not None else []
         recorded_forward, self.hooks.recorded_forward = self.hooks.recorded_forward, False
+        grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
         if include_grads and self.grads and self._params:
             found = self._param_grad_block(slots)
             if found is not None:
                 rows, block = found
-                block.start = len(slots)
+                block.start = grad_start = len(slots)
                 blocks.append(rows)
                 slots = slots + [block] * len(block.names)
         self.hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
@@ -446,6 +447,7 @@ class Monitor:
         copy = Copy.start(blocks, slots, extras, traced, handled=handled, step=self.step_index,
                           non_blocking=self.mode == "async" and not final)
         copy.recorded_forward = recorded_forward
+        copy.grad_start = grad_start
         self.traced.reset()
         # The earlier read first: its records were made first (async mode decodes a read late).
         previous, self._in_flight = self._in_flight, None
@@ -485,6 +487,7 @@ class Monitor:
                     self._fused_applied[step] = applied
         row = copy.row
         bad = copy.bad
+        position = None
         if copy.traced is not None:
             traced_slots, traced_values = self.traced.slots(copy.traced, step)
             offset = len(slots)
@@ -493,12 +496,16 @@ class Monitor:
             slots = list(slots) + traced_slots
             bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
             row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])
+            # Production order: eager records, the compiled rows, then the parameter gradients
+            # (read after the backward; eager ones are last in index order already).
+            grad_start = copy.grad_start if copy.grad_start is not None else offset
+            position = (lambda i: (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i)))
         phase = slots[0].phase if slots else None
         if phase != "eval":
             self._check_hooks_ran(copy, slots)
             self._note_read(slots, bad, step)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
-                                handled_step=step if handled else None)
+                                handled_step=step if handled else None, position=position)
         self.incidents.extend(found)
         if self.steplog is not None:
             self.steplog.observe(slots, [row(i) for i in range(len(slots))], [i in bad for i in range(len(slots))])

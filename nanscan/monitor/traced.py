@@ -15,10 +15,17 @@ own body (the same rule as eager, decided from the records instead of from ident
 are ``derived`` candidates named after the parent. Output labels (``[0].y``) are noted once, at
 trace time.
 
+Gradients: tensor hooks cannot be registered inside a graph, so the traced hooks put a tap (an
+identity autograd Function, :class:`_Tap`) on a module's top-level floating inputs and outputs
+(a tensor, or tensors in a tuple / list) that require grad; its backward writes the incoming
+gradient's record into a row of the same buffer, stamped by the same counter. A non-finite
+gradient of a module's *input* is what that module's backward made: it is named after the module,
+produced when the gradients of its outputs were finite. Outputs in other containers (dicts,
+``ModelOutput``) are recorded but not tapped: the gradient flowing into them is unknown, and an
+input gradient of such a module says "cannot tell".
+
 Only training forwards are recorded (grad enabled, the root in training mode, the step sampled:
 dynamo guards on all three, so an eval forward runs a graph of its own that writes nothing).
-Gradients of module outputs inside compiled graphs are not recorded (parameter gradients are:
-they are read outside the graph).
 """
 from __future__ import annotations
 
@@ -49,11 +56,31 @@ def _note(owner: int, row: int, label, dtype) -> int:
 
 
 class _RowInfo:
-    __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index")
+    __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind")
 
-    def __init__(self, name, info, inputs, candidate, derived, is_output, index):
+    def __init__(self, name, info, inputs, candidate, derived, is_output, index, phase="forward", kind="activation"):
         self.name, self.info, self.inputs = name, info, inputs
         self.candidate, self.derived, self.is_output, self.index = candidate, derived, is_output, index
+        self.phase, self.kind = phase, kind
+
+
+_ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward
+
+
+class _Tap(torch.autograd.Function):
+    """Identity in the forward; in the backward, writes the record of the incoming gradient into
+    a row of the compiled path's buffer (stamped by the same device counter). Placed on module
+    inputs and outputs inside compiled graphs, where tensor hooks cannot be registered."""
+
+    @staticmethod
+    def forward(ctx, x, owner: int, row: int):
+        ctx.owner, ctx.row = owner, row
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ROWS[ctx.owner]._write(ctx.row, grad)
+        return grad, None, None
 
 
 class TracedRows:
@@ -80,6 +107,15 @@ class TracedRows:
             for k in range(OUTPUTS):
                 self.rows.append(_RowInfo(info.name if k == 0 else f"{info.name}[output {k}]", info, own_inputs,
                                           True, False, True, k))
+            # Gradients: of the inputs (what this module's backward made: the candidates, named after
+            # the module, produced when the gradients of its outputs were finite) and of the outputs.
+            output_grads = tuple(range(len(self.rows) + INPUTS, len(self.rows) + INPUTS + OUTPUTS))
+            for k in range(INPUTS):
+                self.rows.append(_RowInfo(info.name, info, output_grads, True, False, False, k, "backward", "grad"))
+            for k in range(OUTPUTS):
+                self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), False, False, True, k,
+                                          "backward", "grad"))
+        _ROWS[id(self)] = self
 
     def allocate(self, device) -> None:
         if self.buffer is None or self.buffer.device != device:
@@ -95,6 +131,7 @@ class TracedRows:
     def forget(self) -> None:
         for key in [k for k in _NOTES if k[0] == id(self)]:
             del _NOTES[key]
+        _ROWS.pop(id(self), None)
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
@@ -111,22 +148,56 @@ class TracedRows:
         for d in range(min(t.dim(), MAX_DIMS)):
             view[DIMS + d] = t.shape[d]
 
-    def write_inputs(self, info, args, kwargs) -> None:
+    def write_inputs(self, info, args, kwargs):
+        """Record the module's first floating inputs; tap the top-level ones that require grad.
+        Returns the hook's result: ``(args, kwargs)`` with tapped inputs, or None."""
         if not self._recording():
-            return
+            return None
         base = self.base[info.name]
-        found = float_tensors(kwargs, "input", float_tensors(args, "input", []))  # labels as eager gives them
-        for k, (label, t) in enumerate(found[:INPUTS]):
-            _note(id(self), base + k, f"{info.name}.{label}" if info.is_root else None, t.dtype)
-            self._write(base + k, t)
+        grad_base = base + INPUTS + OUTPUTS
+        new_args, new_kwargs, k = list(args), dict(kwargs), 0
+        for container, keys in ((new_args, range(len(args))), (new_kwargs, list(kwargs))):
+            for i in keys:
+                value = container[i]
+                label = f"input[{i}]" if container is new_args else f"input.{i}"
+                found = float_tensors(value, label, [])
+                for lab, t in found:
+                    if k < INPUTS:
+                        _note(id(self), base + k, f"{info.name}.{lab}" if info.is_root else None, t.dtype)
+                        self._write(base + k, t)
+                        if t is value and t.requires_grad:
+                            _note(id(self), grad_base + k, None, t.dtype)
+                            container[i] = _Tap.apply(t, id(self), grad_base + k)
+                    k += 1
+        return tuple(new_args), new_kwargs
 
-    def write_outputs(self, info, output) -> None:
+    def write_outputs(self, info, output):
+        """Record the module's floating outputs; tap the top-level ones (a tensor, or tensors in a
+        tuple / list) that require grad. Returns the hook's result: the tapped output, or None."""
         if not self._recording():
-            return
+            return None
         base = self.base[info.name] + INPUTS
+        grad_base = base + OUTPUTS + INPUTS
         for k, (label, t) in enumerate(float_tensors(output, "", [])[:OUTPUTS]):
             _note(id(self), base + k, info.name + label, t.dtype)
             self._write(base + k, t)
+        if isinstance(output, torch.Tensor):
+            if output.requires_grad and (output.is_floating_point() or output.is_complex()):
+                _note(id(self), grad_base, f"{info.name} (output grad)", output.dtype)
+                return _Tap.apply(output, id(self), grad_base)
+            return None
+        if type(output) in (tuple, list):
+            tapped, k = list(output), 0
+            for i, value in enumerate(output):
+                if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+                    if k < OUTPUTS and value.requires_grad:
+                        _note(id(self), grad_base + k, f"{info.name}[{i}] (output grad)", value.dtype)
+                        tapped[i] = _Tap.apply(value, id(self), grad_base + k)
+                    k += 1
+                else:
+                    k += len(float_tensors(value, "", []))
+            return type(output)(tapped)
+        return None
 
     # ------------------------------------------------------------ read
     def reset(self) -> None:
@@ -147,7 +218,7 @@ class TracedRows:
             name = label or r.name
             ndim = int(v[NDIM])
             shape = tuple(int(s) for s in v[DIMS:DIMS + ndim]) if ndim <= MAX_DIMS else (int(v[NUMEL]),)
-            slot = Slot(step, phase, "activation", name, dtype, shape,
+            slot = Slot(step, r.phase if phase == "forward" else phase, r.kind, name, dtype, shape,
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
             index_of_row[row] = len(slots)
