@@ -108,9 +108,10 @@ class TinyTransformer(nn.Module):
 
 
 def make_model():
-    """Factory for ``nanscan replay BUNDLE --model nanscan.demo:make_model``."""
+    """Factory for ``nanscan replay BUNDLE --model nanscan.demo:make_model``: the bundle holds the
+    model's forward inputs (``watch`` kept them), so the replay is ``model(x)``."""
     torch.manual_seed(0)
-    return TinyTransformer(), step_loss
+    return TinyTransformer()
 
 
 def step_loss(model, batch):
@@ -130,7 +131,7 @@ def walkthrough(workdir: str) -> int:
     from nanscan.log import read_events
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, forward = make_model()
+    model, forward = make_model(), step_loss
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**20)  # high on purpose: a few early skips
@@ -146,14 +147,13 @@ def walkthrough(workdir: str) -> int:
         with mon, nanscan.guard(log=mon.steplog.log, monitor=mon):
             for step in range(STEPS):
                 x, y = batch_for(step, device)
-                try:
-                    with mon.step((x, y)):
-                        with torch.autocast(device, dtype=torch.float16):
-                            loss = mon.check_loss(forward(model, (x, y)))
-                        scaler.scale(loss).backward()
-                        scaler.step(opt)
-                        scaler.update()
-                        opt.zero_grad(set_to_none=True)
+                try:  # the plain AMP loop: watch() needs no change to it
+                    with torch.autocast(device, dtype=torch.float16):
+                        loss = forward(model, (x, y))
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
                 finally:
                     for e in [e for e in read_events(log_path) if e.get("type") == "step"][shown:]:
                         shown += 1
@@ -177,12 +177,10 @@ def walkthrough(workdir: str) -> int:
     print("\n" + _show(error.bundle_path))
 
     print("\nreplay (as recorded: fp16 autocast, pre-step RNG and state):")
-    model2, forward2 = make_model()
-    result = nanscan.replay(error.bundle_path, model2.to(device), forward=forward2)
+    result = nanscan.replay(error.bundle_path, make_model().to(device))
     print(f"  {result}")
     print("replay in FP32:")
-    model3, forward3 = make_model()
-    fp32 = nanscan.replay(error.bundle_path, model3.to(device), forward=forward3, precision="fp32")
+    fp32 = nanscan.replay(error.bundle_path, make_model().to(device), precision="fp32")
     print(f"  {fp32}")
     print(f"  -> {'an fp16 range problem: FP32 stays finite' if not fp32.reproduced else 'not a precision problem'}")
     print(f"  (same from a shell: nanscan replay {error.bundle_path} --model nanscan.demo:make_model [--fp32])")

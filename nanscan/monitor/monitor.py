@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -110,6 +111,7 @@ class Monitor:
         self._forward_bad: dict = {}  # step -> whether its forward had a non-finite value
         self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._closed = False
+        self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale record it once)
         self._handles: list = []
         self._install()
 
@@ -144,29 +146,40 @@ class Monitor:
             slot.owner.eager = True
 
     def _wrap_scaler_step(self) -> None:
-        """GradScaler has no hooks. When it skips an update, optimizer.step never runs, so the step
-        would end unseen -- after the loop's ``zero_grad`` dropped the gradients and
-        ``scaler.update()`` changed the scale. Wrapping this instance's ``step`` ends the step right
-        there, with the unscaled gradients still in place."""
-        scaler, original = self.scaler, self.scaler.step
+        """GradScaler has no hooks; two methods of this scaler instance are wrapped.
+
+        ``scale(loss)``: the loss is recorded (phase ``"loss"``) -- in an AMP loop the step log and
+        the loss incident need no ``mon.check_loss``. ``step(optimizer)``: when GradScaler skips
+        the update, optimizer.step never runs, so the step would end unseen -- after the loop's
+        ``zero_grad`` dropped the gradients and ``scaler.update()`` changed the scale. The wrapper
+        ends the step right there, with the unscaled gradients still in place."""
+        scaler, original_step, original_scale = self.scaler, self.scaler.step, self.scaler.scale
+
+        def scale(outputs):
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and not self._closed:
+                self.check_loss(outputs)
+            return original_scale(outputs)
 
         def step(optimizer, *args, **kwargs):
             self._attempted = True
             step_before = self.step_index
-            result = original(optimizer, *args, **kwargs)
+            result = original_step(optimizer, *args, **kwargs)
             if not self._closed and self.step_index == step_before and not self._applied:  # skipped
-                if self.checking and not self._read_this_step:
-                    self._read(before_update=False)
-                if not self._explicit:
-                    self._end_step()
+                try:
+                    if self.checking and not self._read_this_step:
+                        self._read(before_update=False)
+                finally:
+                    if not self._explicit:
+                        self._end_step(raise_incident=False)
             return result
 
-        scaler.step = step
+        scaler.step, scaler.scale = step, scale
 
         class _Restore:
             def remove(self_inner):
-                if scaler.__dict__.get("step") is step:
-                    del scaler.step
+                for name, wrapper in (("step", step), ("scale", scale)):
+                    if scaler.__dict__.get(name) is wrapper:
+                        delattr(scaler, name)
 
         self._handles.append(_Restore())
 
@@ -332,8 +345,12 @@ class Monitor:
             self._explicit = False
 
     def check_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Records the loss (phase ``"loss"``; its inputs are the model's outputs); returns it."""
+        """Records the loss (phase ``"loss"``; its inputs are the model's outputs); returns it.
+        Optional: with a GradScaler, ``scaler.scale(loss)`` records it already."""
         if self.checking and not self._closed and isinstance(loss, torch.Tensor):
+            if self._loss_ref is not None and self._loss_ref() is loss:  # recorded already
+                return loss
+            self._loss_ref = weakref.ref(loss)
             self.slots.add(loss, Slot(self.step_index, "loss", "loss", "loss", loss.dtype, loss.shape,
                                       self.hooks.root_outputs, True))
         return loss
