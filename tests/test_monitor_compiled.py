@@ -154,3 +154,34 @@ def test_compiled_backward_fault_without_output_gradient_is_not_guessed():
     inc, _ = run(DictSqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
     assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "backward", "sq", "grad", None)
     assert "cannot tell" in str(inc)
+
+
+@pytest.mark.parametrize("what", ["optimizer_step", "train_step"])
+def test_compiled_optimizer_step_or_whole_train_step(what):
+    # torch.compile(opt.step) (the PyTorch recipe for fast optimizers) or a whole compiled train
+    # step: the monitor's host work runs eagerly (one graph break, never traced), steps still end
+    # at the optimizer step, and the incident is the eager one.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    mon = nanscan.watch(model, opt)
+    opt_step = torch.compile(opt.step, backend="aot_eager")
+
+    def train_step(x):
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step = torch.compile(train_step, backend="aot_eager") if what == "train_step" else None
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(4):
+            model.block.fault = i == 2
+            if step is not None:
+                step(torch.randn(4, 8))
+            else:
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt_step()
+                opt.zero_grad()
+    assert key(err.value.incident) == (2, "forward", "block", "activation", True)
+    assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped_steps) == (3, 2, [2])

@@ -121,8 +121,10 @@ class Monitor:
             self._handles.extend(self.hooks.install())
             self.traced.allocate(self._model_device())
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
-            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+            # Host work (the read): run eagerly even when the optimizer step is compiled (one graph
+            # break there instead of dynamo tracing the read and breaking on every host op).
+            self._handles.append(self.optimizer.register_step_pre_hook(torch.compiler.disable(self._optimizer_pre_hook)))
+            self._handles.append(self.optimizer.register_step_post_hook(torch.compiler.disable(self._optimizer_post_hook)))
         if self.scaler is not None:
             self._wrap_scaler_step()
 
