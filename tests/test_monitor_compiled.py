@@ -185,3 +185,22 @@ def test_compiled_optimizer_step_or_whole_train_step(what):
                 opt.zero_grad()
     assert key(err.value.incident) == (2, "forward", "block", "activation", True)
     assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped_steps) == (3, 2, [2])
+
+
+def test_compiled_buffer_overflow_equals_eager():
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+        model.fault = False
+        return model
+
+    def plant(model, i):
+        if i == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(1e30)  # finite outputs, infinite variance
+        return torch.randn(4, 8)
+
+    eager, _ = run(make(), 3, plant)
+    torch._dynamo.reset()
+    compiled, _ = run(make(), 3, plant, dict(backend="aot_eager"))
+    assert key(compiled) == key(eager) == (1, "update", "1.running_var", "buffer", True)
