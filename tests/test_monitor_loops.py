@@ -3,7 +3,6 @@ gradient accumulation, no optimizer, eval / no_grad / inference_mode forwards be
 compiled re-runs, model copies, buffers, checkpointing. Each planted fault asserts step, phase,
 name, kind and produced; where nanscan cannot know, it must say so."""
 import copy
-import warnings
 
 import pytest
 import torch
@@ -12,30 +11,9 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import nanscan
+from tests.test_monitor import Net  # embed -> block (log of a negative when block.fault) -> head
 
 INF = float("inf")
-
-
-class Block(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.lin = nn.Linear(d, d)
-        self.fault = False
-
-    def forward(self, x):
-        h = self.lin(x)
-        return torch.log(h - 100.0) if self.fault else torch.tanh(h)
-
-
-class Net(nn.Module):
-    def __init__(self, d=8):
-        super().__init__()
-        self.embed = nn.Linear(d, d)
-        self.block = Block(d)
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        return self.head(self.block(self.embed(x)))
 
 
 def key(inc):
