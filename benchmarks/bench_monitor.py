@@ -135,13 +135,14 @@ def test_host_step_noop_hooks(run_bench, benchmark, host_bound):
             h.remove()
 
 
-@pytest.mark.parametrize("every", [1, 1000])
-def test_host_step_watched(run_bench, benchmark, host_bound, every):
+@pytest.mark.parametrize("every,activation_grads", [(1, True), (1, False), (1000, True)])
+def test_host_step_watched(run_bench, benchmark, host_bound, every, activation_grads):
     model, opt, x = host_bound
-    mon = nanscan.watch(model, opt, every=every)
+    mon = nanscan.watch(model, opt, every=every, activation_grads=activation_grads)
     try:
         train_step(model, opt, x)  # the first step is the checked one; with every=1000 the rest are not
-        label = "watched (every step)" if every == 1 else "watched every=1000 (unchecked)"
+        label = ("watched every=1000 (unchecked)" if every != 1 else
+                 "watched (every step)" if activation_grads else "watched, activation_grads=False")
         _host_bench(run_bench, benchmark, lambda: train_step(model, opt, x), label)
     finally:
         mon.close()

@@ -10,6 +10,8 @@ of each variant over the rounds):
 - unwatched: the plain loop step;
 - no-op hooks: the floor;
 - watched: ``nanscan.watch(model, opt)``, every step checked;
+- watched, activation_grads=False: the same without the gradients of module outputs (the
+  backward hooks: about half the cost; backward faults are then named at parameter gradients);
 - watched every=1000: the unchecked steps after the first, checked, one.
 
 "Per module" divides by ``len(list(model.modules()))`` = 201 (the 200 layers and the Sequential
@@ -73,14 +75,15 @@ def _variants():
         handles = add_noop_hooks(model)
         return None, lambda: [h.remove() for h in handles]
 
-    def watched(every):
+    def watched(every, **options):
         def setup(model, opt):
-            mon = nanscan.watch(model, opt, every=every)
+            mon = nanscan.watch(model, opt, every=every, **options)
             return mon, mon.close
         return setup
 
     return {"unwatched": unwatched, "no-op hooks (floor)": noop_hooks,
-            "watched (every step)": watched(1), "watched every=1000 (unchecked)": watched(1000)}
+            "watched (every step)": watched(1), "watched, activation_grads=False": watched(1, activation_grads=False),
+            "watched every=1000 (unchecked)": watched(1000)}
 
 
 def measure(steps: int = 50, rounds: int = 7, warmup: int = 3, explicit_step: bool = False,

@@ -407,3 +407,19 @@ def test_module_returning_its_own_parameter_gets_no_hook_per_step():
             opt.zero_grad()
     assert model.table.w._backward_hooks in (None, {}) or len(model.table.w._backward_hooks) == 0
     assert mon.incidents == []
+
+
+def test_without_activation_gradients_a_backward_fault_is_not_guessed():
+    torch.manual_seed(0)
+    model = SqNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, activation_grads=False)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            model.fault = i == 1
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
+    assert inc.name == "inp.weight" and "cannot tell" in str(inc)

@@ -63,11 +63,12 @@ class Monitor:
     """Watches one model; see :func:`watch` for the options. Use as a context manager (or call
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
-    def __init__(self, model, optimizer=None, scaler=None, *, activations=True, grads=True, params=True,
-                 buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
+    def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True, grads=True,
+                 params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
                  backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check"):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.buffers = activations, grads, params, buffers
+        self.activation_grads = activations and activation_grads
         self.optimizer_state = optimizer_state
         self.every, self.mode, self.on_nonfinite, self.eval_forwards = every, mode, on_nonfinite, eval_forwards
         self.allow = tuple(allow)
@@ -95,7 +96,7 @@ class Monitor:
         self.slots = Slots(self._summarize_many, self._went_stale)
         self.eval_slots = Slots(self._summarize_many, self._went_stale)
         self.slots_generation = 0
-        self.hooks = EagerHooks(self, infos, record_grads=grads)
+        self.hooks = EagerHooks(self, infos, record_grads=self.activation_grads)
         self.traced = TracedRows(self, infos, self._kernels_for)
         # Step state.
         self.step_index = 0
@@ -435,8 +436,10 @@ class Monitor:
             return tuple(window[o].grad for o in last_outputs if o < len(window) and type(window[o]) is Slot
                          and window[o].grad is not None) + tuple(last_inputs)
 
+        # Without the gradients of module outputs, the gradient a weight received is unknown:
+        # no inputs, so "produced" is None rather than judged from the forward inputs alone.
         return self._summarize_many(grads), Block(self.step_index, "backward", "grad", names, grads, owners,
-                                                  inputs=inputs, param=True)
+                                                  inputs=inputs if self.activation_grads else None, param=True)
 
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
@@ -596,7 +599,8 @@ class Monitor:
 _WATCHED: dict = {}
 
 
-def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads: bool = True,
+def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activation_grads: bool = True,
+          grads: bool = True,
           params: bool = True, buffers: bool = True, optimizer_state: bool = False, every: int = 1,
           mode: str = "sync", on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
           capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None,
@@ -606,7 +610,9 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     :mod:`nanscan.monitor.monitor`).
 
     ``activations``: module outputs (and values made in a module's own body) in the forward, and
-    the gradients flowing into module outputs; ``grads``: parameter gradients; ``params``:
+    (``activation_grads``) the gradients flowing into module outputs -- about half of the host
+    cost per module; without them a backward-only fault is reported at the first non-finite
+    parameter gradient with ``produced=None``; ``grads``: parameter gradients; ``params``:
     parameters after each optimizer update (needs ``optimizer``); ``buffers``: floating-point
     buffers (BatchNorm running statistics, EMA copies kept as buffers) after the update, kind
     ``"buffer"``; ``optimizer_state``: optimizer state tensors after the update.
@@ -655,7 +661,8 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, grads
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")
-    monitor = Monitor(model, optimizer, scaler, activations=activations, grads=grads, params=params,
+    monitor = Monitor(model, optimizer, scaler, activations=activations, activation_grads=activation_grads,
+                      grads=grads, params=params,
                       buffers=buffers, optimizer_state=optimizer_state, every=every, mode=mode,
                       on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
                       keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards)

@@ -165,7 +165,7 @@ class TracedRows:
                     if k < INPUTS:
                         _note(id(self), base + k, f"{info.name}.{lab}" if info.is_root else None, t.dtype)
                         self._write(base + k, t)
-                        if t is value and t.requires_grad:
+                        if t is value and t.requires_grad and self.monitor.activation_grads:
                             _note(id(self), grad_base + k, None, t.dtype)
                             container[i] = _Tap.apply(t, id(self), grad_base + k)
                     k += 1
@@ -181,6 +181,8 @@ class TracedRows:
         for k, (label, t) in enumerate(float_tensors(output, "", [])[:OUTPUTS]):
             _note(id(self), base + k, info.name + label, t.dtype)
             self._write(base + k, t)
+        if not self.monitor.activation_grads:
+            return None
         if isinstance(output, torch.Tensor):
             if output.requires_grad and (output.is_floating_point() or output.is_complex()):
                 _note(id(self), grad_base, f"{info.name} (output grad)", output.dtype)
