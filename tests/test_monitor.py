@@ -292,6 +292,12 @@ def test_bad_use_gets_clear_errors():
             nanscan.watch(model)
     with pytest.raises(ValueError, match="already torch.compile-d"):
         nanscan.watch(torch.compile(model))
+    with pytest.raises(ValueError, match="eval_forwards must be one of"):
+        nanscan.watch(model, eval_forwards="sometimes")
+    in_place = Net()
+    in_place.compile(backend="eager")
+    with pytest.raises(ValueError, match="compiled in place"):
+        nanscan.watch(in_place)
 
 
 def test_incident_to_dict_is_strict_json():
