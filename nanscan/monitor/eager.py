@@ -149,12 +149,6 @@ class EagerHooks:
             info.last_inputs = info.last_outputs = ()
 
     # --------------------------------------------------------------- tensor identity
-    def _lookup(self, t: torch.Tensor) -> Optional[int]:
-        known = self.known.get(id(t))
-        if known is not None and known[0]() is t and (known[1] is None or known[1] == t._version):
-            return known[2]
-        return None
-
     def _remember(self, t: torch.Tensor, index: int) -> None:
         self.known[id(t)] = (weakref.ref(t), None if t.is_inference() else t._version, index)
 
@@ -251,7 +245,7 @@ class EagerHooks:
                 stack.clear()
                 return None
             phase, slots, known = hooks.phase, hooks.slots, hooks.known
-            inputs = tuple(frame.inputs)
+            inputs = frame.inputs  # (a list no one changes after the pre-hook)
             if type(output) is Tensor:
                 found = (("", output),) if (output.is_floating_point() or output.is_complex()) else ()
             else:

@@ -72,9 +72,10 @@ class Slots:
 
     def add(self, tensor: torch.Tensor, slot: Slot) -> int:
         """Queue ``tensor``'s record for ``slot``; returns the slot's index."""
-        if tensor.device != self._device:
+        device = tensor.device
+        if device != self._device:
             self.flush()
-            self._device = tensor.device
+            self._device = device
         self._queued.append(tensor)
         self.slots.append(slot)
         if tensor.is_inference():  # no version counter to check: summarize it now
