@@ -138,9 +138,6 @@ class Monitor:
             kernels = self._kernels[device] = _ops.kernels(self.backend, device)
         return kernels
 
-    def _summarize_one(self, t: torch.Tensor) -> torch.Tensor:
-        return self._kernels_for(t.device)[0](t)
-
     def _summarize_many(self, xs: list) -> torch.Tensor:
         return self._kernels_for(xs[0].device)[1](xs)
 
@@ -287,12 +284,10 @@ class Monitor:
         """The step ends: ledger, the read if it was not read yet, the step log; next step."""
         step = self.step_index
         try:
-            if self._attempted:
-                applied = self._applied
-                if applied is None and not self.checking:
-                    applied = None  # a fused-AMP flag nobody will read: undecided
-                self.ledger.attempt(step, applied)
-            if self.checking and self._forward_seen_or_grads() and not self._read_this_step:
+            if self._attempted:  # (applied None: a fused-AMP flag decides when read, if ever)
+                self.ledger.attempt(step, self._applied)
+            recorded = self._forward_seen or self.hooks.backward_seen or len(self.slots) > 0 or self.traced.used
+            if self.checking and recorded and not self._read_this_step:
                 if self.optimizer is None:
                     self._record_buffers(step)
                 self._read(before_update=False, raise_incident=raise_incident)
@@ -312,9 +307,6 @@ class Monitor:
             self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
             self._applied = False
             self.hooks.backward_seen = False
-
-    def _forward_seen_or_grads(self) -> bool:
-        return self._forward_seen or self.hooks.backward_seen or len(self.slots) > 0 or self.traced.used
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager

@@ -124,10 +124,6 @@ class Slots:
         return slots, (torch.cat(blocks) if len(blocks) > 1 else blocks[0])
 
 
-def empty_records(device) -> torch.Tensor:
-    return torch.empty(0, RECORD_SIZE, dtype=torch.float64, device=device)
-
-
 class Block:
     """Rows of one launch group whose :class:`Slot` objects are made only when looked at:
     parameters, their gradients and buffers -- hundreds of rows a step, almost never non-finite,
