@@ -423,3 +423,19 @@ def test_without_activation_gradients_a_backward_fault_is_not_guessed():
     inc = err.value.incident
     assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
     assert inc.name == "inp.weight" and "cannot tell" in str(inc)
+
+
+def test_a_batch_that_cannot_be_kept_does_not_wedge_the_monitor(tmp_path):
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt, capture_dir=str(tmp_path)) as mon:
+        with pytest.raises(TypeError, match="cannot store a batch element"):
+            with mon.step(np.zeros(3)):
+                pass
+        with mon.step(torch.randn(4, 8)):  # the next step works
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+    assert mon.step_index == 1

@@ -320,10 +320,10 @@ class Monitor:
             raise RuntimeError("mon.step() contexts cannot be nested")
         if self._forward_seen or self._attempted:  # an implicit step was running: it ends here
             self._end_step()
+        if self.capture_dir is not None and self.checking:  # (a batch that cannot be kept raises here,
+            self._capturer.remember(self.step_index, batch=batch)  # before the monitor changed state)
         self._explicit = True
         self._forward_seen = True  # the explicit step owns the batch
-        if self.capture_dir is not None and self.checking:
-            self._capturer.remember(self.step_index, batch=batch)
         try:
             yield self
         except BaseException as primary:
