@@ -8,27 +8,31 @@ import torch
 from torch import nn
 
 import nanscan
+from tests.test_monitor import GatedNet, Odd, SqrtGate
 from tests.test_monitor_loops import AttnNet, Net, SqNet, key
 
 BACKENDS = ["aot_eager", "inductor"]
 
 
-def run(model, steps, plant, compile_kw=None, eval_between=False):
-    """Plain loop (no mon.step); returns the incident (or None) and the monitor."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def run(model, steps, plant, compile_kw=None, eval_between=False, make_opt=None, loss_fn=None):
+    """Plain loop (no mon.step); returns the incident (or None) and the monitor. ``plant(model, i)``
+    returns the batch: a tensor, or ``(args, kwargs)``."""
+    opt = make_opt(model) if make_opt else torch.optim.SGD(model.parameters(), lr=0.01)
     mon = nanscan.watch(model, opt)
     fwd = torch.compile(model, **compile_kw) if compile_kw is not None else model
+    loss_fn = loss_fn or (lambda out: out.pow(2).mean())
     torch.manual_seed(1)
     try:
         with mon:
             for i in range(steps):
                 x = plant(model, i)
-                fwd(x).pow(2).mean().backward()
+                args, kwargs = x if isinstance(x, tuple) else ((x,), {})
+                loss_fn(fwd(*args, **kwargs)).backward()
                 opt.step()
                 opt.zero_grad()
                 if eval_between:
                     with torch.no_grad():
-                        fwd(torch.randn_like(x))
+                        fwd(*args, **kwargs)
     except nanscan.NonFiniteError as e:
         return e.incident, mon
     return None, mon
@@ -51,23 +55,54 @@ def masked_attention(model, i):
     return torch.randn(2, 5, 8)
 
 
-CASES = {"block_fault": (Net, block_fault), "nan_batch": (Net, nan_batch), "masked_attention": (AttnNet, masked_attention)}
+def sqrt_gate_net():
+    return nn.Sequential(nn.Linear(8, 8), SqrtGate(), nn.Linear(8, 1))
+
+
+def zero_sqrt_gate(model, i):
+    if i == 1:
+        with torch.no_grad():
+            model[1].w[3] = 0.0  # finite forward, infinite d/dw sqrt(w)
+    return torch.randn(4, 8)
+
+
+def odd_batch(model, i):
+    model.pair.fault = i == 2
+    return (torch.randn(2, 8),), {"scale": torch.ones(8)}
+
+
+# name -> (model factory, plant, optimizer factory or None, loss or None)
+CASES = {
+    "block_fault": (Net, block_fault, None, None),
+    "nan_batch": (Net, nan_batch, None, None),
+    "masked_attention": (AttnNet, masked_attention, None, None),
+    "param_grad_only": (sqrt_gate_net, zero_sqrt_gate, None, None),
+    "update_blows_up": (GatedNet, lambda m, i: torch.randn(4, 8),
+                        lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, eps=0.0), None),
+    "odd_shapes": (Odd, odd_batch, None, lambda out: out["out"].sum()),
+}
 
 
 def incident_tuple(inc):
     return key(inc) + (inc.summary.shape, inc.summary.nan_count + inc.summary.posinf_count + inc.summary.neginf_count)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("fullgraph", [False, True])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_incident_equals_eager(case, fullgraph, backend):
-    make, plant = CASES[case]
+# Every case under aot_eager (default and fullgraph); inductor (slow to compile on 2 cores) on a
+# spread of them, in both modes.
+MATRIX = ([("aot_eager", fullgraph, case) for fullgraph in (False, True) for case in sorted(CASES)]
+          + [("inductor", True, "block_fault"), ("inductor", True, "masked_attention"),
+             ("inductor", True, "param_grad_only"), ("inductor", False, "nan_batch"),
+             ("inductor", False, "update_blows_up")])
+
+
+@pytest.mark.parametrize("backend,fullgraph,case", MATRIX)
+def test_compiled_incident_equals_eager(backend, fullgraph, case):
+    make, plant, make_opt, loss_fn = CASES[case]
     torch.manual_seed(0)
-    eager, _ = run(make(), 4, plant)
+    eager, _ = run(make(), 4, plant, make_opt=make_opt, loss_fn=loss_fn)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph))
+    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph), make_opt=make_opt, loss_fn=loss_fn)
     assert eager is not None and compiled is not None
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert compiled.inputs == eager.inputs

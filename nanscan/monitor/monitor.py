@@ -503,10 +503,12 @@ class Monitor:
         bad = copy.bad
         position = None
         if copy.traced is not None:
-            traced_slots, traced_values = self.traced.slots(copy.traced, step)
+            traced_slots, traced_values, weight_inputs = self.traced.slots(copy.traced, step)
             offset = len(slots)
             for t in traced_slots:
                 t.inputs = tuple(offset + j for j in t.inputs)
+            for block in {s for s in slots if type(s) is Block and s.param}:  # weights of compiled modules
+                block.extra_inputs = {name: tuple(offset + j for j in rows) for name, rows in weight_inputs.items()}
             slots = list(slots) + traced_slots
             bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
             row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])

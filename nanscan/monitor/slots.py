@@ -143,12 +143,15 @@ class Block:
         self.inputs_of, self.input_bad = inputs, input_bad
         self.param = True if param else None  # parameter gradients: the step log sums their norms
         self.start = 0
+        self.extra_inputs: dict = {}  # owner name -> more input slot indices (the compiled path's rows)
 
     def slot(self, index: int) -> Slot:
         k = index - self.start
-        t = self.tensors[k]
-        slot = Slot(self.step, self.phase, self.kind, self.names[k], t.dtype, tuple(t.shape),
-                    self.inputs_of(k) if self.inputs_of is not None else (), True, self.owners[k])
+        t, owner = self.tensors[k], self.owners[k]
+        inputs = self.inputs_of(k) if self.inputs_of is not None else None
+        if inputs is not None and owner is not None:
+            inputs = tuple(inputs) + self.extra_inputs.get(owner.name, ())
+        slot = Slot(self.step, self.phase, self.kind, self.names[k], t.dtype, tuple(t.shape), inputs or (), True, owner)
         if self.input_bad is not None:
             slot.known_bad_inputs = self.input_bad(k)
         return slot

@@ -56,12 +56,18 @@ def _note(owner: int, row: int, label, dtype) -> int:
 
 
 class _RowInfo:
-    __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind")
+    __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind", "module",
+                 "weight_input")
 
-    def __init__(self, name, info, inputs, candidate, derived, is_output, index, phase="forward", kind="activation"):
+    def __init__(self, name, info, inputs, candidate, derived, is_output, index, phase="forward", kind="activation",
+                 module=None):
         self.name, self.info, self.inputs = name, info, inputs
         self.candidate, self.derived, self.is_output, self.index = candidate, derived, is_output, index
         self.phase, self.kind = phase, kind
+        # The module whose row this is, and whether its weights' gradients depend on it (its
+        # forward inputs and the gradients of its outputs).
+        self.module = module
+        self.weight_input = (phase == "forward" and not is_output) or (phase == "backward" and is_output)
 
 
 _ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward
@@ -100,21 +106,22 @@ class TracedRows:
                                                                   self.base.get(parent.name, 0) + INPUTS))
             for k in range(INPUTS):
                 if parent is None:
-                    self.rows.append(_RowInfo(f"{info.name}.input[{k}]", info, (), False, False, False, k))
+                    self.rows.append(_RowInfo(f"{info.name}.input[{k}]", info, (), False, False, False, k, module=info))
                 else:
-                    self.rows.append(_RowInfo(parent.name, parent, parent_inputs, True, True, False, k))
+                    self.rows.append(_RowInfo(parent.name, parent, parent_inputs, True, True, False, k, module=info))
             own_inputs = tuple(range(self.base[info.name], self.base[info.name] + INPUTS))
             for k in range(OUTPUTS):
                 self.rows.append(_RowInfo(info.name if k == 0 else f"{info.name}[output {k}]", info, own_inputs,
-                                          True, False, True, k))
+                                          True, False, True, k, module=info))
             # Gradients: of the inputs (what this module's backward made: the candidates, named after
             # the module, produced when the gradients of its outputs were finite) and of the outputs.
             output_grads = tuple(range(len(self.rows) + INPUTS, len(self.rows) + INPUTS + OUTPUTS))
             for k in range(INPUTS):
-                self.rows.append(_RowInfo(info.name, info, output_grads, True, False, False, k, "backward", "grad"))
+                self.rows.append(_RowInfo(info.name, info, output_grads, True, False, False, k, "backward", "grad",
+                                          module=info))
             for k in range(OUTPUTS):
                 self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), False, False, True, k,
-                                          "backward", "grad"))
+                                          "backward", "grad", module=info))
         _ROWS[id(self)] = self
 
     def allocate(self, device) -> None:
@@ -210,8 +217,9 @@ class TracedRows:
 
     def slots(self, written: list, step: int, phase: str = "forward"):
         """Slots and record values of the rows written in this window (``[(row, values)]``), in
-        execution order."""
-        slots, records, index_of_row = [], [], {}
+        execution order, and per module name the indices of the slots its weights' gradients
+        depend on (its forward inputs and the gradients of its outputs)."""
+        slots, records, index_of_row, weight_inputs = [], [], {}, {}
         for row, v in sorted(written, key=lambda rv: rv[1][SEQ]):
             if row >= len(self.rows):
                 continue
@@ -224,6 +232,8 @@ class TracedRows:
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
             index_of_row[row] = len(slots)
+            if r.weight_input and r.module is not None:
+                weight_inputs.setdefault(r.module.name, []).append(len(slots))
             slots.append(slot)
             records.append(v[:RECORD_SIZE])
-        return slots, records
+        return slots, records, weight_inputs
