@@ -204,3 +204,15 @@ def kernels(backend: Optional[str], device: torch.device):
     if chosen == "triton":
         return torch.ops.nanscan.triton_summarize.default, torch.ops.nanscan.triton_summarize_many.default
     return torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default
+
+
+def monitor_extension():
+    """The Python functions of the compiled library (``nanscan._C``: the monitor's C++ backward
+    tap, ``csrc/monitor/grad_sink.cpp``), or None when the library is unusable here."""
+    if LOAD_ERROR is not None:
+        return None
+    try:
+        from nanscan import _C as module
+    except ImportError:  # pragma: no cover - a library without its Python module
+        return None
+    return module if hasattr(module, "GradSink") else None

@@ -439,3 +439,22 @@ def test_a_batch_that_cannot_be_kept_does_not_wedge_the_monitor(tmp_path):
             model(torch.randn(4, 8)).sum().backward()
             opt.step()
     assert mon.step_index == 1
+
+
+@pytest.mark.parametrize("backend", [None, "reference"])
+def test_backward_attribution_same_with_the_cpp_tap_and_the_python_hooks(backend):
+    # Default kernels: gradients of module outputs go to the C++ tap (csrc/monitor/grad_sink.cpp);
+    # another backend (here the reference) keeps Python node hooks. Same incident either way.
+    torch.manual_seed(0)
+    model = SqNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, backend=backend)
+    assert (mon.grad_sink is not None) == (backend is None)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            model.fault = i == 1
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert key(err.value.incident) == (1, "backward", "sq", "grad", True)
+    assert err.value.incident.summary.shape == (4, 8)

@@ -66,10 +66,10 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
             continue
         if not s.derived:
             last_bad[(s.step, s.phase)] = i
-        if not s.candidate or s.stale or (s.step, s.phase) in first:
+        if not s.candidate or (s.step, s.phase) in first:
             continue
         s = at(slots, i)
-        if allowed(s, allow):
+        if s.stale or allowed(s, allow):
             continue
         name, inputs, sure = s.name, s.inputs, True
         if s.grad_of is not None:

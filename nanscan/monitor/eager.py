@@ -229,6 +229,7 @@ class EagerHooks:
         alive, name, is_root = info.module, info.name, info.is_root
         is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
         on_grad = self._on_grad
+        sink, tap = monitor.grad_sink, monitor.tap
 
         def post_hook(module, args, kwargs, output):
             if is_compiling():
@@ -266,9 +267,12 @@ class EagerHooks:
                 index = slots.add(t, slot)
                 hooks._remember(t, index)
                 if record_grad:
-                    node = t.grad_fn
-                    if node is not None:
-                        node.register_prehook(partial(on_grad, index, t.output_nr, monitor.slots_generation))
+                    if sink is not None:
+                        tap(t, sink, index)  # C++: the gradient is queued and summarized without Python
+                    else:
+                        node = t.grad_fn
+                        if node is not None:
+                            node.register_prehook(partial(on_grad, index, t.output_nr, monitor.slots_generation))
                 outputs.append(index)
             frame.outputs = outputs
             info.last_inputs, info.last_outputs = inputs, outputs

@@ -31,6 +31,7 @@ later: no host sync at all on CUDA.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from typing import Iterable, Optional
@@ -44,7 +45,7 @@ from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
-from nanscan.monitor.slots import Block, Slot, Slots
+from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, GradBlock, Slot, Slots
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.traced import TracedRows
@@ -96,6 +97,12 @@ class Monitor:
         self.slots = Slots(self._summarize_many, self._went_stale)
         self.eval_slots = Slots(self._summarize_many, self._went_stale)
         self.slots_generation = 0
+        # The gradients of module outputs go to the C++ tap when the default kernels run (no
+        # Python in the backward); otherwise to Python node hooks (eager.EagerHooks._on_grad).
+        self.grad_sink, self.tap = None, None
+        extension = _ops.monitor_extension() if self.activation_grads else None
+        if extension is not None and (backend or os.environ.get("NANSCAN_BACKEND") or "cpu") in ("cpu", "cuda"):
+            self.grad_sink, self.tap = extension.GradSink(BATCH, BATCH_BYTES), extension.tap
         self.hooks = EagerHooks(self, infos, record_grads=self.activation_grads)
         self.traced = TracedRows(self, infos, self._kernels_for)
         # Step state.
@@ -191,7 +198,7 @@ class Monitor:
             return None
         if not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and module.training):
             return "eval" if (self.eval_forwards != "skip" and self.activations) else None
-        if not self._explicit and self.optimizer is None and self.hooks.backward_seen:
+        if not self._explicit and self.optimizer is None and self._backward_seen():
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
         if info.is_root and not self._root_seen:  # the step's first forward of the whole model
             self._root_seen = True
@@ -201,6 +208,10 @@ class Monitor:
                 self._capturer.note_autocast(self.step_index)
         self._forward_seen = True
         return "forward" if (self.checking and self.activations) else None
+
+    def _backward_seen(self) -> bool:
+        """A gradient of a module output was received since the last read."""
+        return self.hooks.backward_seen or (self.grad_sink is not None and len(self.grad_sink) > 0)
 
     def _forward_ends(self, info: ModuleInfo) -> None:
         if self.hooks.phase == "eval":
@@ -286,7 +297,7 @@ class Monitor:
         try:
             if self._attempted:  # (applied None: a fused-AMP flag decides when read, if ever)
                 self.ledger.attempt(step, self._applied)
-            recorded = self._forward_seen or self.hooks.backward_seen or len(self.slots) > 0 or self.traced.used
+            recorded = self._forward_seen or self._backward_seen() or len(self.slots) > 0 or self.traced.used
             if self.checking and recorded and not self._read_this_step:
                 if self.optimizer is None:
                     self._record_buffers(step)
@@ -381,12 +392,14 @@ class Monitor:
         if self._closed:
             return
         try:
-            if self.checking and (self._forward_seen or self.hooks.backward_seen) and not self._read_this_step:
+            if self.checking and (self._forward_seen or self._backward_seen()) and not self._read_this_step:
                 self._read(before_update=False, final=True)
             elif len(self.slots) or self._in_flight is not None or self.traced.used:
                 self._read(before_update=False, final=True, include_grads=False)
         finally:
             self._closed = True
+            if self.grad_sink is not None:
+                self.grad_sink.generation = -1
             if self.steplog is not None:
                 self.steplog.close()
             for h in self._handles:
@@ -437,8 +450,19 @@ class Monitor:
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
         self._read_this_step = True
         slots, rows = self.slots.take()
-        self.slots_generation += 1
         blocks = [rows] if rows is not None else []
+        if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
+            indices, records, stale, dtypes, shapes = self.grad_sink.take()
+            if indices:
+                block = GradBlock(self.step_index, slots, indices, stale, dtypes, shapes)
+                block.start = len(slots)
+                for k, i in enumerate(indices):
+                    slots[i].grad = block.start + k
+                slots = slots + [block] * len(indices)
+                blocks.extend(records)
+        self.slots_generation += 1
+        if self.grad_sink is not None:
+            self.grad_sink.generation = self.slots_generation
         recorded_forward, self.hooks.recorded_forward = self.hooks.recorded_forward, False
         grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
         if include_grads and self.grads and self._params:

@@ -157,7 +157,25 @@ class Block:
         return slot
 
 
+class GradBlock(Block):
+    """Gradients flowing into module outputs, received by the C++ backward tap
+    (``csrc/monitor/grad_sink.cpp``) and summarized there in batches: ``indices[k]`` is the slot
+    (in ``window``) of the output whose gradient row k is."""
+
+    def __init__(self, step, window, indices, stale, dtypes, shapes):
+        super().__init__(step, "backward", "grad", None, None, None)
+        self.window, self.indices, self.stale_rows, self.dtypes, self.shapes = window, indices, stale, dtypes, shapes
+
+    def slot(self, index: int) -> Slot:
+        k = index - self.start
+        forward = self.window[self.indices[k]]
+        slot = Slot(self.step, "backward", "grad", f"{forward.name} (output grad)", self.dtypes[k], self.shapes[k],
+                    (), True, forward.owner)
+        slot.grad_of, slot.stale = self.indices[k], self.stale_rows[k]
+        return slot
+
+
 def at(slots: list, index: int) -> Slot:
     """The slot at ``index`` of a window's slot list (materializing block rows)."""
     s = slots[index]
-    return s.slot(index) if type(s) is Block else s
+    return s.slot(index) if isinstance(s, Block) else s

@@ -1,0 +1,138 @@
+// The monitor's backward tap in C++: a pre-hook on the autograd node that made a recorded module
+// output receives the gradient flowing into that output and queues it in a GradSink, which
+// summarizes queued gradients in batches with nanscan::summarize_many. No Python runs in the
+// backward, and registering the hook costs a C++ call instead of a Python hook object per output
+// per step (nanscan/monitor/eager.py falls back to Python hooks where this module is missing).
+//
+// Python API (module nanscan._C, the same shared library as the ops):
+//   sink = GradSink(batch, bytes)   summarizes every `batch` gradients or `bytes` of them
+//   sink.generation                 hooks of an older generation do nothing
+//   tap(tensor, sink, index)        hook tensor.grad_fn (no-op for a leaf); index: the output's slot
+//   len(sink)                       gradients received since the last take()
+//   sink.take() -> (indices, records, stale, dtypes, shapes)
+//       indices: slot index per gradient, in the order autograd produced them; records: list of
+//       [k, RECORD_SIZE] tensors (in order); stale: gradient changed in place before it was
+//       summarized; dtypes: torch.dtype; shapes: tuples.
+#include <torch/extension.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace nanscan {
+
+class GradSink {
+ public:
+  GradSink(int64_t batch, int64_t batch_bytes) : batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes) {}
+
+  int64_t generation = 0;
+
+  void add(int64_t index, const at::Tensor& grad) {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_index_.push_back(index);
+    pending_.push_back(grad);
+    pending_version_.push_back(grad.is_inference() ? -1 : static_cast<int64_t>(grad._version()));
+    pending_bytes_ += static_cast<int64_t>(grad.numel()) * static_cast<int64_t>(grad.element_size());
+    // Bounded: at most `batch` gradients or `batch_bytes` of them are kept alive here.
+    if (static_cast<int64_t>(pending_.size()) >= batch_ || pending_bytes_ >= batch_bytes_) flush_locked();
+  }
+
+  int64_t size() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(index_.size() + pending_index_.size());
+  }
+
+  py::tuple take() {
+    std::vector<int64_t> index;
+    std::vector<at::Tensor> records;
+    std::vector<bool> stale;
+    std::vector<at::ScalarType> dtypes;
+    std::vector<std::vector<int64_t>> shapes;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      flush_locked();
+      index.swap(index_);
+      records.swap(records_);
+      stale.swap(stale_);
+      dtypes.swap(dtypes_);
+      shapes.swap(shapes_);
+    }
+    py::list py_dtypes, py_shapes;
+    for (auto d : dtypes) {  // torch.dtype objects are static: borrowed
+      py_dtypes.append(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(d))));
+    }
+    for (auto& s : shapes) py_shapes.append(py::tuple(py::cast(s)));
+    return py::make_tuple(py::cast(index), py::cast(records), py::cast(stale), py_dtypes, py_shapes);
+  }
+
+ private:
+  void flush_locked() {
+    if (pending_.empty()) return;
+    for (size_t k = 0; k < pending_.size(); ++k) {
+      const auto& g = pending_[k];
+      stale_.push_back(pending_version_[k] >= 0 && static_cast<int64_t>(g._version()) != pending_version_[k]);
+      dtypes_.push_back(g.scalar_type());
+      shapes_.push_back(g.sizes().vec());
+    }
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("nanscan::summarize_many", "")
+                         .typed<at::Tensor(at::TensorList)>();
+    records_.push_back(op.call(pending_));
+    index_.insert(index_.end(), pending_index_.begin(), pending_index_.end());
+    pending_.clear();
+    pending_index_.clear();
+    pending_version_.clear();
+    pending_bytes_ = 0;
+  }
+
+  int64_t batch_, batch_bytes_, pending_bytes_ = 0;
+  std::mutex mu_;
+  std::vector<at::Tensor> pending_;
+  std::vector<int64_t> pending_index_, pending_version_;
+  std::vector<int64_t> index_;
+  std::vector<at::Tensor> records_;
+  std::vector<bool> stale_;
+  std::vector<at::ScalarType> dtypes_;
+  std::vector<std::vector<int64_t>> shapes_;
+};
+
+struct RecordGrad : torch::autograd::FunctionPreHook {
+  RecordGrad(std::weak_ptr<GradSink> sink, int64_t index, int64_t output_nr, int64_t generation)
+      : sink_(std::move(sink)), index_(index), output_nr_(output_nr), generation_(generation) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    auto sink = sink_.lock();
+    if (sink && sink->generation == generation_ && output_nr_ < static_cast<int64_t>(grads.size()) &&
+        grads[output_nr_].defined()) {
+      sink->add(index_, grads[output_nr_]);
+    }
+    return grads;
+  }
+
+  // Under compiled autograd this hook is not traced: the gradient is then not recorded (the
+  // monitor says "cannot tell" where it would have needed it), never wrong.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+
+ private:
+  std::weak_ptr<GradSink> sink_;
+  int64_t index_, output_nr_, generation_;
+};
+
+void tap(const at::Tensor& tensor, const std::shared_ptr<GradSink>& sink, int64_t index) {
+  const auto& node = tensor.grad_fn();
+  if (!node) return;
+  node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, tensor.output_nr(), sink->generation));
+}
+
+}  // namespace nanscan
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<nanscan::GradSink, std::shared_ptr<nanscan::GradSink>>(m, "GradSink")
+      .def(py::init<int64_t, int64_t>())
+      .def_readwrite("generation", &nanscan::GradSink::generation)
+      .def("__len__", &nanscan::GradSink::size)
+      .def("take", &nanscan::GradSink::take);
+  m.def("tap", &nanscan::tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
+}
