@@ -10,8 +10,8 @@ of each variant over the rounds):
 - unwatched: the plain loop step;
 - no-op hooks: the floor;
 - watched: ``nanscan.watch(model, opt)``, every step checked;
-- watched, activation_grads=False: the same without the gradients of module outputs (the
-  backward hooks: about half the cost; backward faults are then named at parameter gradients);
+- watched, activation_grads=False: the same without the gradients of module outputs (with the
+  default kernels they are taken by a C++ hook, so this shows what that hook costs);
 - watched every=1000: the unchecked steps after the first, checked, one.
 
 "Per module" divides by ``len(list(model.modules()))`` = 201 (the 200 layers and the Sequential

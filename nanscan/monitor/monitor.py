@@ -628,9 +628,10 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     :mod:`nanscan.monitor.monitor`).
 
     ``activations``: module outputs (and values made in a module's own body) in the forward, and
-    (``activation_grads``) the gradients flowing into module outputs -- about half of the host
-    cost per module; without them a backward-only fault is reported at the first non-finite
-    parameter gradient with ``produced=None``; ``grads``: parameter gradients; ``params``:
+    (``activation_grads``) the gradients flowing into module outputs (taken in C++ with the default
+    kernels; Python node hooks otherwise; inside compiled graphs, taps that add graph ops). Without
+    them a backward-only fault is reported at the first non-finite parameter gradient with
+    ``produced=None``. ``grads``: parameter gradients; ``params``:
     parameters after each optimizer update (needs ``optimizer``); ``buffers``: floating-point
     buffers (BatchNorm running statistics, EMA copies kept as buffers) after the update, kind
     ``"buffer"``; ``optimizer_state``: optimizer state tensors after the update.
