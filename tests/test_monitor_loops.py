@@ -356,9 +356,9 @@ def test_dict_batch_and_mapping_output_plain_loop():
             opt.step()
             opt.zero_grad()
     inc = err.value.incident
-    # the loss made inside the root's body from a non-finite label: propagated from the batch
-    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "forward", "(model).loss", "activation",
-                                                                       False)
+    # the loss the model returns (HF style), made from a non-finite label: it is the loss, and it
+    # was propagated from the batch
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "loss", "loss", "loss", False)
     assert inc.inputs == ("(model).input.labels",)
 
 
@@ -458,3 +458,25 @@ def test_backward_attribution_same_with_the_cpp_tap_and_the_python_hooks(backend
             opt.zero_grad()
     assert key(err.value.incident) == (1, "backward", "sq", "grad", True)
     assert err.value.incident.summary.shape == (4, 8)
+
+
+def test_a_loss_the_model_returns_is_the_loss_and_is_logged(tmp_path):
+    class LogLoss(DictOut):
+        def forward(self, input_ids=None, labels=None):
+            logits = self.body(input_ids)
+            return {"logits": logits, "loss": torch.log(logits - labels.abs() - 1e3).mean()}  # log of a negative
+
+    import json
+
+    torch.manual_seed(0)
+    model = LogLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "events.jsonl"
+    mon = nanscan.watch(model, opt, log=str(log))
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        out = model(input_ids=torch.randn(4, 8), labels=torch.randn(4, 1))
+        out["loss"].backward()
+        opt.step()
+    assert key(err.value.incident) == (0, "loss", "loss", "loss", True)
+    steps = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
+    assert any(e.get("type") == "step" and e.get("loss") == {"finite": False, "value": "nan"} for e in steps)

@@ -251,7 +251,7 @@ class EagerHooks:
                 found = (("", output),) if (output.is_floating_point() or output.is_complex()) else ()
             else:
                 found = float_tensors(output, "", [])
-            outputs = []
+            outputs, loss_slot = [], None
             record_grad = hooks.record_grads and phase == "forward"
             # The root's own outputs after a compiled forward: its eager record would precede the
             # graph's rows in production order, so it only serves attribution (the loss).
@@ -264,6 +264,8 @@ class EagerHooks:
                 slot = Slot(monitor.step_index, phase, "activation", name + label if label else name, t.dtype, t.shape,
                             inputs, candidate, info)
                 slot.late = not candidate
+                if is_root and label == ".loss" and phase == "forward":  # HF-style: the model returns its loss
+                    slot.phase, slot.kind, slot.name, loss_slot = "loss", "loss", "loss", slot
                 index = slots.add(t, slot)
                 hooks._remember(t, index)
                 if record_grad:
@@ -274,6 +276,9 @@ class EagerHooks:
                         if node is not None:
                             node.register_prehook(partial(on_grad, index, t.output_nr, monitor.slots_generation))
                 outputs.append(index)
+            if loss_slot is not None:  # it was computed from the model's inputs and its other outputs
+                loss_slot.inputs = tuple(inputs) + tuple(o for o in outputs if slots.slots[o] is not loss_slot)
+                monitor._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
             frame.outputs = outputs
             info.last_inputs, info.last_outputs = inputs, outputs
             if info.eager:
