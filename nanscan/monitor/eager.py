@@ -1,10 +1,12 @@
 """Eager hooks: what the monitor records while a module runs outside a compiled graph.
 
 Per module call, a forward pre-hook and a forward hook; per recorded module output that has an
-autograd node, one pre-hook on that node (it receives the gradient flowing into the output). Each
-hook does only list / dict work and queues the tensor in :class:`nanscan.monitor.slots.Slots`
-(summarized in batches): everything a hook needs about its module (name, whether it works in
-place, the root flag) is in a :class:`ModuleInfo` built once at ``watch``.
+autograd node, one pre-hook on that node (it receives the gradient flowing into the output): in
+C++ with the default kernels (``csrc/monitor/grad_sink.cpp``: no Python in the backward), a Python
+hook (:meth:`EagerHooks._on_grad`) otherwise. Each forward hook does only list / dict work and
+queues the tensor in :class:`nanscan.monitor.slots.Slots` (summarized in batches): everything a
+hook needs about its module (name, whether it works in place, the root flag) is in a
+:class:`ModuleInfo` built once at ``watch``.
 
 What is recorded, in production order:
 
@@ -44,10 +46,11 @@ def _run_eagerly_as_frame(fn):
 
     Why: ``torch.compile(model)`` calls the root module's hooks outside the compiled forward, each
     as a frame of its own, so a root hook that dynamo compiles adds a graph (3 graphs where the
-    unwatched model has 1). Run eagerly there, the root hooks do the eager bookkeeping (the step,
-    the batch) at no graph cost. Under ``fullgraph=True`` or a compiled training step, the root's
-    hooks are inlined and take the compiled path like every other module's. Where this torch has
-    no per-code execution strategy, nothing changes (an extra graph, the same answers)."""
+    unwatched model has 1; default and ``fullgraph=True`` alike). Run eagerly there, the root hooks
+    do the eager bookkeeping (the step, the batch) at no graph cost. Where the root is called from
+    inside a compiled function (a compiled training step), its hooks are inlined and take the
+    compiled path like every other module's. Where this torch has no per-code execution strategy,
+    nothing changes (an extra graph, the same answers)."""
     try:
         from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 

@@ -76,13 +76,11 @@ class Monitor:
         self.backend = backend
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
-        self.steplog: Optional[StepLog] = StepLog(log, 0) if log is not None else None
         self.incidents: list = []
         self.ledger = Ledger()
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
-        if self.steplog is not None and self.rank:
-            self.steplog = StepLog(log, self.rank)
+        self.steplog: Optional[StepLog] = StepLog(log, self.rank) if log is not None else None
         self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model) for name, m in model.named_modules()]
