@@ -7,12 +7,20 @@ import traceback
 from typing import Optional
 
 
+def attach_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` (Python 3.11+) and never raise doing it: an exception whose
+    ``__notes__`` is not a list, or that refuses attributes, keeps its identity and message."""
+    try:
+        exc.add_note(note)
+    except Exception:
+        pass
+
+
 def _attach(primary: BaseException, what: str, secondary: BaseException) -> None:
     """Attach a secondary failure to the primary exception without replacing it: a note (Python
     3.11+) with the secondary's type, message and location, and ``primary.nanscan_errors``."""
     where = "".join(traceback.format_exception_only(type(secondary), secondary)).strip()
-    if hasattr(primary, "add_note"):
-        primary.add_note(f"nanscan: {what} failed while handling this error: {where}")
+    attach_note(primary, f"nanscan: {what} failed while handling this error: {where}")
     errors = getattr(primary, "nanscan_errors", None)
     if errors is None:
         errors = []
@@ -41,8 +49,12 @@ def guard(log=None, capture_dir: Optional[str] = None, monitor=None):
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as primary:
-        incident = getattr(primary, "incident", None)
-        step = incident.step if incident is not None else (monitor.step_index if monitor is not None else None)
+        from nanscan.monitor.incident import NonFiniteError
+
+        # Only nanscan's own error carries an Incident: any other exception's `incident` attribute
+        # (a ticket id, a property that raises) is none of our business.
+        incident = primary.incident if isinstance(primary, NonFiniteError) else None
+        step = incident.step if incident is not None else (monitor.failing_step if monitor is not None else None)
         if log is not None:
             try:
                 from nanscan.log import EventLog
@@ -60,8 +72,7 @@ def guard(log=None, capture_dir: Optional[str] = None, monitor=None):
         if capture_dir is not None and monitor is not None and monitor.bundle_path is None:
             try:
                 path = monitor.capture(incident=incident, capture_dir=capture_dir, step=step)
-                if hasattr(primary, "add_note"):
-                    primary.add_note(f"nanscan wrote the failure bundle: {path}")
+                attach_note(primary, f"nanscan wrote the failure bundle: {path}")
             except Exception as secondary:
                 _attach(primary, "capture", secondary)
         raise

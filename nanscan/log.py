@@ -220,12 +220,16 @@ class EventLog:
                 f.seek(-1, os.SEEK_END)
                 torn = f.read(1) != b"\n"
         self._file = open(path, "a", encoding="utf-8", newline="\n")
-        if torn:
-            self._file.write("\n")
-        import nanscan
+        try:
+            if torn:
+                self._file.write("\n")
+            import nanscan
 
-        self._write({"type": "header", "nanscan": getattr(nanscan, "__version__", None), "rank": self.rank,
-                     "time": _now(), "pid": os.getpid()}, fsync=False)
+            self._write({"type": "header", "nanscan": getattr(nanscan, "__version__", None), "rank": self.rank,
+                         "time": _now(), "pid": os.getpid()}, fsync=False)
+        except BaseException:  # (a full disk: do not leak the file descriptor)
+            self._file.close()
+            raise
 
     def _write(self, record: dict, fsync: bool) -> None:
         line = dumps(record) + "\n"

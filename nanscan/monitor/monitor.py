@@ -39,6 +39,7 @@ from typing import Iterable, Optional
 import torch
 
 from nanscan import _ops
+from nanscan.guard import attach_note
 from nanscan.monitor import distributed
 from nanscan.monitor.attribution import first_incidents
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
@@ -55,9 +56,6 @@ ON_NONFINITE = ("raise", "warn", "record")
 EVAL_FORWARDS = ("check", "raise", "skip")
 
 
-def _attach_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
 
 
 class Monitor:
@@ -118,6 +116,7 @@ class Monitor:
         self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._closed = False
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale record it once)
+        self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._handles: list = []
         self._install()
 
@@ -333,15 +332,17 @@ class Monitor:
             self._capturer.remember(self.step_index, batch=batch)  # before the monitor changed state)
         self._explicit = True
         self._forward_seen = True  # the explicit step owns the batch
+        self._failed_step = None
         try:
             yield self
         except BaseException as primary:
+            self._failed_step = self.step_index  # (the step ends below: guard asks which one failed)
             # The training exception stays the primary error; a failure of our own bookkeeping is
             # attached to it, never the other way round.
             try:
                 self._end_step(raise_incident=False)
             except Exception as secondary:  # pragma: no cover - defensive
-                _attach_note(primary, f"nanscan could not finish the step: {secondary!r}")
+                attach_note(primary, f"nanscan could not finish the step: {secondary!r}")
             raise
         else:
             self._end_step(raise_incident=True)
@@ -373,6 +374,12 @@ class Monitor:
         step = step if step is not None else (incident.step if incident is not None else self.step_index)
         return self._capturer.write(incident, capture_dir, step, current_step=self.step_index,
                                     applied_this_step=self._applied)
+
+    @property
+    def failing_step(self) -> int:
+        """The step a training error happened in: the one a ``with mon.step():`` block just ended by
+        raising, else the current step (:func:`nanscan.guard` logs and captures this one)."""
+        return self._failed_step if self._failed_step is not None else self.step_index
 
     @property
     def bundle_path(self) -> Optional[str]:
@@ -416,7 +423,7 @@ class Monitor:
         try:
             self.close()
         except Exception as secondary:
-            _attach_note(exc, f"nanscan.Monitor.close failed: {secondary!r}")
+            attach_note(exc, f"nanscan.Monitor.close failed: {secondary!r}")
 
     # ------------------------------------------------------------------ reading
     def _param_grad_block(self, window: list):
@@ -571,9 +578,9 @@ class Monitor:
         error = NonFiniteError(report)
         error.bundle_path = self.bundle_path
         if self.bundle_path:
-            _attach_note(error, f"nanscan wrote the failure bundle: {self.bundle_path}")
+            attach_note(error, f"nanscan wrote the failure bundle: {self.bundle_path}")
         if capture_error is not None:
-            _attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
+            attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
         raise error
 
     def _log_incidents(self, incidents) -> None:

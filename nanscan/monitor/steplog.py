@@ -29,11 +29,13 @@ class StepLog:
     def __init__(self, log, rank: int):
         from nanscan.log import EventLog
 
-        self.log = log if isinstance(log, EventLog) else EventLog(log, rank=rank)
-        self.owned = not isinstance(log, EventLog)
         self.steps: dict = {}
         self.error: Optional[BaseException] = None
         self.written = -1  # the last step whose record was written
+        self.owned = not isinstance(log, EventLog)
+        self.log = log if not self.owned else None
+        if self.owned:  # opening it is a write too: a failure warns once and logging stops
+            self._write(lambda: setattr(self, "log", EventLog(log, rank=rank)))
 
     def _entry(self, step: int) -> dict:
         return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
@@ -102,5 +104,5 @@ class StepLog:
 
     def close(self) -> None:
         self.flush()
-        if self.owned:
+        if self.owned and self.log is not None:
             self._write(self.log.close)
