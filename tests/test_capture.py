@@ -230,3 +230,37 @@ def test_update_phase_bundle_state_marker(tmp_path, keep):
     gate = bundle.model_state["gate"]
     assert torch.isfinite(gate).all() if keep else torch.isnan(gate).all()
     assert bundle.manifest["step"] == 0
+
+
+def test_dict_batch_bundle_replays_as_keyword_arguments(tmp_path):
+    # HF style: model(**batch). Kept with mon.step(batch) or from the forward's keyword inputs, the
+    # bundle stores the mapping as keyword arguments; replay calls model(**batch).
+    class KwNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, input_ids=None, scale=None):
+            return torch.log(self.lin(input_ids) * scale)  # log of a negative where scale < 0
+
+    for explicit in (True, False):
+        torch.manual_seed(0)
+        model = KwNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        mon = nanscan.watch(model, opt, capture_dir=str(tmp_path / f"b{explicit}"))
+        batch = {"input_ids": torch.randn(4, 8), "scale": -torch.ones(8)}
+        with pytest.raises(nanscan.NonFiniteError), mon:
+            if explicit:
+                with mon.step(batch):
+                    model(**batch).sum().backward()
+                    opt.step()
+            else:
+                model(**batch).sum().backward()
+                opt.step()
+        bundle = nanscan.load_bundle(mon.bundle_path)
+        assert set(bundle.inputs) == {"input_ids", "scale"} and torch.equal(bundle.kwargs["scale"], batch["scale"])
+        torch.manual_seed(0)
+        result = nanscan.replay(bundle, KwNet())
+        assert result.reproduced and result.first_op == "aten.log.default"
+        user = nanscan.replay(bundle, KwNet(), forward=lambda m, b: m(**b).sum())  # the loop's own forward
+        assert user.reproduced and user.first_op == "aten.log.default"

@@ -59,6 +59,8 @@ def clone_batch(args=(), kwargs=None) -> dict:
         raise TypeError(f"nanscan: cannot store a batch element of type {type(value).__name__}; a bundle "
                         "holds tensors, numbers, strings and lists / tuples / dicts of them")
 
+    if isinstance(args, dict) and not kwargs:  # an HF-style batch: model(**batch), kept as keyword arguments
+        return {"args": [], "kwargs": clone(dict(args)), "single": False, "mapping": True}
     single = not isinstance(args, (tuple, list))
     if single:
         args = (args,)
@@ -230,6 +232,8 @@ class Bundle:
     @property
     def inputs(self):
         """The batch as it was given: the tensor itself, or a tuple of the positional inputs."""
+        if self.batch.get("mapping"):
+            return dict(self.batch["kwargs"])
         return self.batch["args"][0] if self.batch.get("single") else tuple(self.batch["args"])
 
     @property

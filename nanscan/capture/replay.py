@@ -219,7 +219,12 @@ def default_forward(model, batch):
 
 
 def run_step(model, batch, forward: Optional[Callable], compile_backend: Optional[str]):
-    fn = (lambda m, b: forward(m, b["args"][0] if b.get("single") else tuple(b["args"]))) if forward else default_forward
+    def user_batch(b):  # the batch as the loop had it: a dict, one tensor, or a tuple
+        if b.get("mapping"):
+            return dict(b["kwargs"])
+        return b["args"][0] if b.get("single") else tuple(b["args"])
+
+    fn = (lambda m, b: forward(m, user_batch(b))) if forward else default_forward
     if compile_backend is not None:
         fn = torch.compile(fn, backend=compile_backend)
     return fn(model, batch)

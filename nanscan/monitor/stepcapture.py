@@ -36,7 +36,12 @@ class StepCapture:
                          copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
         if forward_inputs is not None:
             args, kwargs = forward_inputs
-            kept = B.clone_batch(args[0]) if len(args) == 1 and not kwargs else B.clone_batch(tuple(args), kwargs)
+            if len(args) == 1 and not kwargs:  # model(x)
+                kept = B.clone_batch(args[0])
+            elif not args and kwargs:  # model(**batch)
+                kept = B.clone_batch(dict(kwargs))
+            else:
+                kept = B.clone_batch(tuple(args), kwargs)
         else:
             kept = B.clone_batch(batch) if batch is not None else None
         self.saved[step] = {"batch": kept, "rng": B.capture_rng(),
