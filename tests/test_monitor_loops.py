@@ -480,3 +480,45 @@ def test_a_loss_the_model_returns_is_the_loss_and_is_logged(tmp_path):
     assert key(err.value.incident) == (0, "loss", "loss", "loss", True)
     steps = [json.loads(line) for line in log.read_text().splitlines() if '"step"' in line]
     assert any(e.get("type") == "step" and e.get("loss") == {"finite": False, "value": "nan"} for e in steps)
+
+
+def test_every_offender_of_a_step_is_listed_with_a_ready_allow_line():
+    class Head(nn.Module):
+        """Pads its logits with -inf (intended: a detection head's unused slots)."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.cat([self.lin(x), torch.full_like(x[..., :2], -INF)], dim=-1)
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(Head() for _ in range(3))
+
+        def forward(self, x):
+            return [h(x) for h in self.heads]
+
+    def train(mon, model, opt):
+        with mon:
+            for _ in range(2):
+                outs = model(torch.randn(2, 8))
+                sum(o[..., :4].sum() for o in outs).backward()
+                opt.step()
+                opt.zero_grad()
+
+    torch.manual_seed(0)
+    model = Heads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record")
+    train(mon, model, opt)
+    assert mon.offenders[0] == ["heads.0", "heads.1", "heads.2"]  # all of them, not only the first
+    assert mon.allow_patterns() == ("heads.0", "heads.1", "heads.2")
+    assert mon.allow_line() == "allow=('heads.0', 'heads.1', 'heads.2')"
+    with pytest.warns(RuntimeWarning, match=r"Also non-finite in this step: heads.1, heads.2.*allow=\("):
+        train(nanscan.watch(model, opt, on_nonfinite="warn"), model, opt)
+    quiet = nanscan.watch(model, opt, allow=mon.allow_patterns())
+    train(quiet, model, opt)
+    assert quiet.incidents == [] and quiet.offenders == {}

@@ -93,3 +93,22 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
         first[(s.step, s.phase)] = Incident(step=s.step, phase=s.phase, name=name, kind=s.kind, produced=produced,
                                             summary=summary, rank=rank, inputs=bad_inputs, handled_by_scaler=handled)
     return sorted(first.values(), key=lambda inc: (inc.step, PHASE_ORDER[inc.phase]))
+
+
+def offenders(slots, bad: set, *, allow, position=None) -> dict:
+    """Every non-finite value a read found, not only the first: ``{step: [names]}`` in production
+    order, without repeats -- the list to build an allow-list from when non-finite values are
+    intended (padding with -inf in several heads, say). Values recorded only for attribution (the
+    batch, compiled input rows) and stale ones are left out."""
+    found: dict = {}
+    for i in sorted(bad, key=position):
+        s = slots[i]
+        if not s.candidate or s.derived or s.late:
+            continue
+        s = at(slots, i)
+        if s.stale or allowed(s, allow):
+            continue
+        names = found.setdefault(s.step, [])
+        if s.name not in names:
+            names.append(s.name)
+    return found

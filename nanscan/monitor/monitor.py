@@ -31,6 +31,7 @@ later: no host sync at all on CUDA.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import warnings
 import weakref
@@ -41,7 +42,7 @@ import torch
 from nanscan import _ops
 from nanscan.guard import attach_note
 from nanscan.monitor import distributed
-from nanscan.monitor.attribution import first_incidents
+from nanscan.monitor.attribution import first_incidents, offenders
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
@@ -75,6 +76,7 @@ class Monitor:
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
         self.incidents: list = []
+        self.offenders: dict = {}  # step -> names of every non-finite value found in it (not only the first)
         self.ledger = Ledger()
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
@@ -386,6 +388,15 @@ class Monitor:
         """The bundle written at the first reported incident (or by :func:`nanscan.guard`), or None."""
         return self._capturer.bundle_path
 
+    def allow_patterns(self) -> tuple:
+        """fnmatch patterns matching exactly every non-finite value found so far (see
+        :attr:`offenders`), for ``watch(..., allow=...)`` when those values are intended."""
+        return tuple(dict.fromkeys(glob.escape(n) for names in self.offenders.values() for n in names))
+
+    def allow_line(self) -> str:
+        """``allow=(...)`` ready to paste, from :meth:`allow_patterns`."""
+        return f"allow={self.allow_patterns()!r}"
+
     @property
     def incident(self) -> Optional[Incident]:
         """The first incident, or None."""
@@ -552,6 +563,10 @@ class Monitor:
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
                                 handled_step=step if handled else None, position=position)
         self.incidents.extend(found)
+        if bad:
+            for s, names in offenders(slots, bad, allow=self.allow, position=position).items():
+                known = self.offenders.setdefault(s, [])
+                known.extend(n for n in names if n not in known)
         if self.steplog is not None:
             self.steplog.observe(slots, [row(i) for i in range(len(slots))], [i in bad for i in range(len(slots))])
         report = found[0] if found and not found[0].handled_by_scaler else None
@@ -573,7 +588,10 @@ class Monitor:
         if self.on_nonfinite == "record":
             return
         if self.on_nonfinite == "warn" or not raise_incident:
-            warnings.warn(str(report), RuntimeWarning, stacklevel=3)
+            others = [n for n in self.offenders.get(report.step, []) if n != report.name]
+            also = (f" Also non-finite in this step: {', '.join(others)}. If these values are intended, "
+                    f"watch(..., {self.allow_line()})." if others else "")
+            warnings.warn(str(report) + also, RuntimeWarning, stacklevel=3)
             return
         error = NonFiniteError(report)
         error.bundle_path = self.bundle_path
