@@ -522,3 +522,28 @@ def test_every_offender_of_a_step_is_listed_with_a_ready_allow_line():
     quiet = nanscan.watch(model, opt, allow=mon.allow_patterns())
     train(quiet, model, opt)
     assert quiet.incidents == [] and quiet.offenders == {}
+
+
+def test_async_fault_in_the_last_step_is_reported_at_exit_without_close(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, nanscan\n"
+        "from tests.test_monitor import Net\n"
+        "torch.manual_seed(0)\n"
+        "model = Net()\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\n"
+        "mon = nanscan.watch(model, opt, mode='async')\n"
+        "for i in range(3):\n"
+        "    model.block.fault = i == 2  # the last step: async mode would read it one step later\n"
+        "    model(torch.randn(4, 8)).sum().backward()\n"
+        "    opt.step()\n"
+        "    opt.zero_grad()\n"
+        "print('training done')\n")
+    root = __import__("os").path.dirname(__import__("os").path.dirname(__file__))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         cwd=root, env={**__import__("os").environ, "PYTHONPATH": root})
+    assert "training done" in out.stdout
+    assert "nanscan (at exit, monitor never closed)" in out.stderr and "'block' at step 2" in out.stderr

@@ -30,6 +30,7 @@ later: no host sync at all on CUDA.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import os
@@ -255,9 +256,8 @@ class Monitor:
         gradient the update used, read (and decoded) a moment ago."""
         step = self.step_index
         if self.params and self._params:
-            grads_read = self._grads_read.get(step)
-
             def input_bad(k, names=self._param_names):
+                grads_read = self._grads_read.get(step)  # looked up when asked: async mode decodes late
                 if grads_read is None or names[k] not in grads_read[0]:
                     return None  # no gradient was read for it in this step
                 return (f"{names[k]} (grad)",) if names[k] in grads_read[1] else ()
@@ -508,12 +508,16 @@ class Monitor:
         if self.mode == "async" and not final:
             self._in_flight = copy
             copy = None
-        try:
-            if previous is not None:
+        error = None
+        if previous is not None:
+            try:
                 self._decode(previous, raise_incident=raise_incident)
-        finally:
-            if copy is not None:
-                self._decode(copy, raise_incident=raise_incident)
+            except NonFiniteError as e:  # the later read is still decoded (recorded), then this is raised
+                error = e
+        if copy is not None:
+            self._decode(copy, raise_incident=raise_incident if error is None else None)
+        if error is not None:
+            raise error
 
     def _read_eval(self) -> None:
         slots, rows = self.eval_slots.take()
@@ -523,7 +527,10 @@ class Monitor:
         copy = Copy.start([rows], slots, [], None, handled=False, step=self.step_index, non_blocking=False)
         self._decode(copy, raise_incident=self.eval_forwards == "raise")
 
-    def _decode(self, copy: Copy, raise_incident: bool = True) -> None:
+    def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:
+        """Decode a landed read: ledger scalars, incidents (raised, warned or only recorded:
+        ``raise_incident`` False warns, None records silently), the step log, the agreement across
+        ranks, the bundle."""
         copy.wait()
         slots, step, handled = copy.slots, copy.step, copy.handled
         for what, value in copy.extras.items():
@@ -585,7 +592,7 @@ class Monitor:
             capture_error = e
             warnings.warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
         self._log_incidents(found if report in found else found + [report])
-        if self.on_nonfinite == "record":
+        if self.on_nonfinite == "record" or raise_incident is None:  # None: an earlier incident is being raised
             return
         if self.on_nonfinite == "warn" or not raise_incident:
             others = [n for n in self.offenders.get(report.step, []) if n != report.name]
@@ -637,7 +644,24 @@ class Monitor:
                 "without calling the watched model gives this error too.)")
 
 
-_WATCHED: dict = {}
+_WATCHED: dict = {}  # id(model) -> its open Monitor
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A monitor left open at exit still reads what it holds (async mode's last step, the last
+    update): an incident there is printed, never lost silently."""
+    for monitor in list(_WATCHED.values()):
+        try:
+            monitor.close()
+        except NonFiniteError as error:
+            import sys
+
+            print(f"nanscan (at exit, monitor never closed): {error}", file=sys.stderr)
+        except Exception as error:  # pragma: no cover - nothing may fail at exit
+            import sys
+
+            print(f"nanscan: closing a monitor at exit failed: {error!r}", file=sys.stderr)
 
 
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activation_grads: bool = True,
