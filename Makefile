@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.14.1
+TORCHVISION_VERSION ?= 0.29.1
 # CUDA kernels are compiled (not run) even without a GPU; NANSCAN_CUDA=0 skips them, unset = auto.
 export NANSCAN_CUDA ?= 1
 export MAX_JOBS ?= 2
@@ -16,6 +17,8 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib
+	# third-party models for tests/test_real_models.py (torchvision pinned to the torch build, for timm)
+	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31"
 	touch $@
 
 # The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.
