@@ -17,8 +17,8 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
 	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib
-	# third-party models for tests/test_real_models.py (torchvision pinned to the torch build, for timm)
-	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31"
+	# third-party models and the HF Trainer for tests/test_real_models.py and test_integrations.py
+	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31" "accelerate==1.15.0"
 	touch $@
 
 # The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.

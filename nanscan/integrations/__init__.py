@@ -1,0 +1,1 @@
+"""One-call integrations with training frameworks (each imports its framework only when used)."""

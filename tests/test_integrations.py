@@ -1,0 +1,61 @@
+"""One-call integrations: the HF Trainer callback on a tiny GPT-2, clean and with a planted fault
+(an infinite weight in a named module at step 1)."""
+import pytest
+import torch
+
+import nanscan
+
+transformers = pytest.importorskip("transformers")
+
+
+class Batches(torch.utils.data.Dataset):
+    """A tiny LM dataset."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+class PlantInfWeight(transformers.TrainerCallback):
+    """Before training step `step`, one weight of `transformer.h.0.mlp.c_fc` becomes +inf."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
+
+
+def trainer(tmp_path, callbacks):
+    from tests.test_real_models import gpt2
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+        report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True, use_cpu=True,
+        dataloader_num_workers=0, seed=0)
+    return transformers.Trainer(model=gpt2(), args=args, train_dataset=Batches(), callbacks=callbacks)
+
+
+def test_hf_trainer_callback_clean_run(tmp_path):
+    from nanscan.integrations.transformers import NanscanCallback
+
+    callback = NanscanCallback()
+    trainer(tmp_path, [callback]).train()
+    mon = callback.last_monitor
+    assert mon.incidents == [] and mon.ledger.attempted == 3 and mon.ledger.applied == 3
+
+
+def test_hf_trainer_callback_names_the_planted_fault(tmp_path):
+    from nanscan.integrations.transformers import NanscanCallback
+
+    callback = NanscanCallback()
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        trainer(tmp_path, [callback, PlantInfWeight(1)]).train()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (
+        1, "forward", "transformer.h.0.mlp.c_fc", "activation", True)
