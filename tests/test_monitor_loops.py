@@ -20,6 +20,20 @@ def key(inc):
     return (inc.step, inc.phase, inc.name, inc.kind, inc.produced)
 
 
+def raised_incident(model, plant, steps=3, batch=lambda: torch.randn(4, 8), **watch_options):
+    """A plain loop (SGD, sum loss) that plants with ``plant(model, i)`` before step i; the incident
+    the monitor raised (the test fails if none was)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, **watch_options)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(steps):
+            plant(model, i)
+            model(batch()).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return err.value.incident
+
+
 def plain_loop(model, opt, steps, fault_at=None, accumulate=1, x_fn=None):
     """The loop a user writes: no mon.step(), no check_loss."""
     torch.manual_seed(0)
@@ -214,17 +228,9 @@ class AttnNet(nn.Module):
 
 def test_functional_op_in_a_module_body_is_blamed_on_that_module_not_its_child():
     torch.manual_seed(0)
-    model = AttnNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt)
-    with pytest.raises(nanscan.NonFiniteError) as err, mon:
-        for i in range(3):
-            model.attn.mask_all = i == 1
-            model(torch.randn(2, 5, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    assert key(err.value.incident) == (1, "forward", "attn", "activation", True)
-    assert err.value.incident.summary.shape == (2, 5, 8)  # the real shape of the body value
+    inc = raised_incident(AttnNet(), lambda m, i: setattr(m.attn, "mask_all", i == 1), batch=lambda: torch.randn(2, 5, 8))
+    assert key(inc) == (1, "forward", "attn", "activation", True)
+    assert inc.summary.shape == (2, 5, 8)  # the real shape of the body value
 
 
 class SqrtZero(nn.Module):
@@ -249,16 +255,8 @@ class SqNet(nn.Module):
 
 def test_backward_only_fault_is_named_after_the_module_whose_backward_made_it():
     torch.manual_seed(0)
-    model = SqNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt)
-    with pytest.raises(nanscan.NonFiniteError) as err, mon:
-        for i in range(3):
-            model.fault = i == 1
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    assert key(err.value.incident) == (1, "backward", "sq", "grad", True)
+    inc = raised_incident(SqNet(), lambda m, i: setattr(m, "fault", i == 1))
+    assert key(inc) == (1, "backward", "sq", "grad", True)
 
 
 def test_batchnorm_running_var_overflow_is_a_buffer_incident():
@@ -411,16 +409,7 @@ def test_module_returning_its_own_parameter_gets_no_hook_per_step():
 
 def test_without_activation_gradients_a_backward_fault_is_not_guessed():
     torch.manual_seed(0)
-    model = SqNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt, activation_grads=False)
-    with pytest.raises(nanscan.NonFiniteError) as err, mon:
-        for i in range(3):
-            model.fault = i == 1
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    inc = err.value.incident
+    inc = raised_incident(SqNet(), lambda m, i: setattr(m, "fault", i == 1), activation_grads=False)
     assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
     assert inc.name == "inp.weight" and "cannot tell" in str(inc)
 
@@ -446,18 +435,15 @@ def test_backward_attribution_same_with_the_cpp_tap_and_the_python_hooks(backend
     # Default kernels: gradients of module outputs go to the C++ tap (csrc/monitor/grad_sink.cpp);
     # another backend (here the reference) keeps Python node hooks. Same incident either way.
     torch.manual_seed(0)
-    model = SqNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt, backend=backend)
-    assert (mon.grad_sink is not None) == (backend is None)
-    with pytest.raises(nanscan.NonFiniteError) as err, mon:
-        for i in range(3):
-            model.fault = i == 1
-            model(torch.randn(4, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    assert key(err.value.incident) == (1, "backward", "sq", "grad", True)
-    assert err.value.incident.summary.shape == (4, 8)
+    uses_cpp = []
+
+    def plant(m, i):
+        m.fault = i == 1
+        uses_cpp.append(nanscan.monitor.monitor._WATCHED[id(m)].grad_sink is not None)
+
+    inc = raised_incident(SqNet(), plant, backend=backend)
+    assert uses_cpp[0] == (backend is None)
+    assert key(inc) == (1, "backward", "sq", "grad", True) and inc.summary.shape == (4, 8)
 
 
 def test_a_loss_the_model_returns_is_the_loss_and_is_logged(tmp_path):
