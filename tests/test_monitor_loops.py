@@ -170,7 +170,8 @@ def test_eval_forwards_between_steps_never_disturb_training_steps(how):
             opt.zero_grad()
             evaluate()
     assert key(err.value.incident) == (3, "forward", "block", "activation", True)
-    assert mon.step_index == 4 and mon.ledger.applied == 3 and mon.ledger.skipped_steps == [3]  # stopped before its update
+    # step 3 was stopped before its update
+    assert mon.step_index == 4 and mon.ledger.applied == 3 and mon.ledger.skipped_steps == [3]
 
 
 def test_eval_incident_is_phase_eval_and_warned_not_raised_by_default():
@@ -228,7 +229,8 @@ class AttnNet(nn.Module):
 
 def test_functional_op_in_a_module_body_is_blamed_on_that_module_not_its_child():
     torch.manual_seed(0)
-    inc = raised_incident(AttnNet(), lambda m, i: setattr(m.attn, "mask_all", i == 1), batch=lambda: torch.randn(2, 5, 8))
+    inc = raised_incident(AttnNet(), lambda m, i: setattr(m.attn, "mask_all", i == 1),
+                          batch=lambda: torch.randn(2, 5, 8))
     assert key(inc) == (1, "forward", "attn", "activation", True)
     assert inc.summary.shape == (2, 5, 8)  # the real shape of the body value
 

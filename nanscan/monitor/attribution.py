@@ -80,7 +80,8 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
             produced = not bad_inputs
         elif any(at(slots, j).stale for j in inputs):
             produced = None if not bad_inputs else False
-        elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs and s.grad_of is None):
+        elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs
+                                             and s.grad_of is None):
             produced = None
         elif not sure:
             produced = False if bad_inputs else None

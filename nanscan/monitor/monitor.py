@@ -131,8 +131,9 @@ class Monitor:
         if self.optimizer is not None:
             # Host work (the read): run eagerly even when the optimizer step is compiled (one graph
             # break there instead of dynamo tracing the read and breaking on every host op).
-            self._handles.append(self.optimizer.register_step_pre_hook(torch.compiler.disable(self._optimizer_pre_hook)))
-            self._handles.append(self.optimizer.register_step_post_hook(torch.compiler.disable(self._optimizer_post_hook)))
+            eager = torch.compiler.disable
+            self._handles.append(self.optimizer.register_step_pre_hook(eager(self._optimizer_pre_hook)))
+            self._handles.append(self.optimizer.register_step_post_hook(eager(self._optimizer_post_hook)))
         if self.scaler is not None:
             self._wrap_scaler_step()
 
@@ -271,8 +272,8 @@ class Monitor:
             for p, state in optimizer.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
-                        self.slots.add(value, Slot(step, "update", "optimizer_state",
-                                                   f"{names.get(id(p), '?')}.{key}", value.dtype, value.shape, (), True))
+                        name = f"{names.get(id(p), '?')}.{key}"
+                        self.slots.add(value, Slot(step, "update", "optimizer_state", name, value.dtype, value.shape))
 
     def _record_buffers(self, step: int) -> None:
         """Floating buffers after the update. They are produced by their module's forward (running
@@ -369,7 +370,8 @@ class Monitor:
         by :func:`nanscan.guard` when a step fails otherwise."""
         capture_dir = capture_dir or self.capture_dir
         if capture_dir is None:
-            raise ValueError("nanscan: no capture_dir was given (watch(..., capture_dir=...) or guard(capture_dir=...))")
+            raise ValueError("nanscan: no capture_dir was given "
+                             "(watch(..., capture_dir=...) or guard(capture_dir=...))")
         if self.capture_dir is None:
             raise RuntimeError("nanscan: the monitor kept no batch / RNG (it was created without capture_dir), "
                                "so no bundle can be written for this step")

@@ -104,7 +104,8 @@ class Slots:
             return
         first = len(self.slots) - len(queued)
         for k, (t, version) in enumerate(zip(queued, self._versions)):
-            if version is not None and t._version != version:  # changed in place since its hook: the record would be of a later value
+            # Changed in place since its hook: the record would be of a later value.
+            if version is not None and t._version != version:
                 slot = self.slots[first + k]
                 slot.stale = True
                 if self._on_stale is not None:
