@@ -39,8 +39,9 @@ def guard(log=None, capture_dir: Optional[str] = None, monitor=None):
     traceback). Before it does, nanscan tries (1) to append an ``"exception"`` event to ``log`` (a
     path or an :class:`nanscan.EventLog`, fsynced) with the exception, the step and the incident if
     it is a :class:`nanscan.NonFiniteError`, and (2) when ``capture_dir`` and ``monitor`` are given
-    and the monitor has not written a bundle yet, to write one for the failing step (its batch and
-    pre-step RNG come from ``mon.step(batch)``). Any failure of (1) or (2) is attached to the
+    and the monitor has not written a bundle yet, to write one for the failing step
+    (``monitor.failing_step``; its batch and pre-step RNG are what the monitor kept: the model's
+    forward inputs, or the ``batch`` of ``mon.step(batch)``). Any failure of (1) or (2) is attached to the
     original exception (``add_note`` and ``exc.nanscan_errors``), never raised in its place.
     ``KeyboardInterrupt`` / ``SystemExit`` pass through untouched.
     """
