@@ -14,11 +14,11 @@ from tests.test_monitor_loops import AttnNet, Net, SqNet, key
 BACKENDS = ["aot_eager", "inductor"]
 
 
-def run(model, steps, plant, compile_kw=None, eval_between=False, make_opt=None, loss_fn=None):
+def run(model, steps, plant, compile_kw=None, eval_between=False, make_opt=None, loss_fn=None, **watch_options):
     """Plain loop (no mon.step); returns the incident (or None) and the monitor. ``plant(model, i)``
     returns the batch: a tensor, or ``(args, kwargs)``."""
     opt = make_opt(model) if make_opt else torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt)
+    mon = nanscan.watch(model, opt, **watch_options)
     fwd = torch.compile(model, **compile_kw) if compile_kw is not None else model
     loss_fn = loss_fn or (lambda out: out.pow(2).mean())
     torch.manual_seed(1)
@@ -102,7 +102,8 @@ def test_compiled_incident_equals_eager(backend, fullgraph, case):
     eager, _ = run(make(), 4, plant, make_opt=make_opt, loss_fn=loss_fn)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph), make_opt=make_opt, loss_fn=loss_fn)
+    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph), make_opt=make_opt, loss_fn=loss_fn,
+                      compiled_grads=True)
     assert eager is not None and compiled is not None
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert compiled.inputs == eager.inputs
@@ -155,7 +156,7 @@ def test_compiled_backward_fault_equals_eager(backend, fullgraph):
     eager, _ = run(SqNet(), 3, plant)
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled, _ = run(SqNet(), 3, plant, dict(backend=backend, fullgraph=fullgraph))
+    compiled, _ = run(SqNet(), 3, plant, dict(backend=backend, fullgraph=fullgraph), compiled_grads=True)
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert key(eager) == (1, "backward", "sq", "grad", True)
 
@@ -186,7 +187,7 @@ def test_compiled_backward_fault_without_output_gradient_is_not_guessed():
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    inc, _ = run(DictSqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
+    inc, _ = run(DictSqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True), compiled_grads=True)
     assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "backward", "sq", "grad", None)
     assert "cannot tell" in str(inc)
 
@@ -239,3 +240,48 @@ def test_compiled_buffer_overflow_equals_eager():
     torch._dynamo.reset()
     compiled, _ = run(make(), 3, plant, dict(backend="aot_eager"))
     assert key(compiled) == key(eager) == (1, "update", "1.running_var", "buffer", True)
+
+
+class InPlace(nn.Module):
+    """What resnets do: ReLU(inplace=True) on a module's output, `out += identity` in the body."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(8, 1)
+        self.fault = False
+
+    def forward(self, x):
+        out = self.lin(x)
+        out += x
+        out = self.act(out)
+        return self.head(torch.log(out - 100.0) if self.fault else out)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_in_place_ops_on_module_outputs_compile_with_the_default_options(fullgraph):
+    # Default: no taps inside the graph, so in-place ops on module outputs compile and run; the
+    # forward fault is the eager one, and a backward-only fault there would say "cannot tell".
+    def plant(model, i):
+        model.fault = i == 2
+        return torch.randn(4, 8)
+
+    torch.manual_seed(0)
+    eager, _ = run(InPlace(), 4, plant)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled, _ = run(InPlace(), 4, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert key(compiled) == (2, "forward", "(model)", "activation", True)
+
+
+def test_compiled_backward_fault_without_taps_is_not_guessed():
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inc, _ = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)

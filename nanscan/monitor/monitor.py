@@ -64,12 +64,13 @@ class Monitor:
     """Watches one model; see :func:`watch` for the options. Use as a context manager (or call
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
-    def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True, grads=True,
-                 params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
+    def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True,
+                 compiled_grads=False, grads=True, params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
                  backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check"):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.buffers = activations, grads, params, buffers
         self.activation_grads = activations and activation_grads
+        self.compiled_grads = self.activation_grads and compiled_grads
         self.optimizer_state = optimizer_state
         self.every, self.mode, self.on_nonfinite, self.eval_forwards = every, mode, on_nonfinite, eval_forwards
         self.allow = tuple(allow)
@@ -556,8 +557,9 @@ class Monitor:
             offset = len(slots)
             for t in traced_slots:
                 t.inputs = tuple(offset + j for j in t.inputs)
-            for block in {s for s in slots if type(s) is Block and s.param}:  # weights of compiled modules
-                block.extra_inputs = {name: tuple(offset + j for j in rows) for name, rows in weight_inputs.items()}
+            if self.compiled_grads:  # weights of compiled modules: their forward inputs and output gradients
+                for block in {s for s in slots if type(s) is Block and s.param}:
+                    block.extra_inputs = {name: tuple(offset + j for j in rows) for name, rows in weight_inputs.items()}
             slots = list(slots) + traced_slots
             bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
             row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])
@@ -667,7 +669,7 @@ def _close_at_exit() -> None:
 
 
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activation_grads: bool = True,
-          grads: bool = True,
+          compiled_grads: bool = False, grads: bool = True,
           params: bool = True, buffers: bool = True, optimizer_state: bool = False, every: int = 1,
           mode: str = "sync", on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
           capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None,
@@ -680,7 +682,12 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     (``activation_grads``) the gradients flowing into module outputs (taken in C++ with the default
     kernels; Python node hooks otherwise; inside compiled graphs, taps that add graph ops). Without
     them a backward-only fault is reported at the first non-finite parameter gradient with
-    ``produced=None``. ``grads``: parameter gradients; ``params``:
+    ``produced=None``. Inside ``torch.compile`` graphs those gradients need taps on module inputs and
+    outputs (identity autograd Functions, whose outputs are views): ``compiled_grads=True`` turns
+    them on -- only for models that never modify a module's input or output in place (``ReLU(
+    inplace=True)``, ``out += identity``: autograd forbids in-place ops on such views, and the
+    compile fails). Off (the default), a backward-only fault inside a compiled graph is reported at
+    the first non-finite parameter gradient with ``produced=None``. ``grads``: parameter gradients; ``params``:
     parameters after each optimizer update (needs ``optimizer``); ``buffers``: floating-point
     buffers (BatchNorm running statistics, EMA copies kept as buffers) after the update, kind
     ``"buffer"``; ``optimizer_state``: optimizer state tensors after the update.
@@ -730,7 +737,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")
     monitor = Monitor(model, optimizer, scaler, activations=activations, activation_grads=activation_grads,
-                      grads=grads, params=params,
+                      compiled_grads=compiled_grads, grads=grads, params=params,
                       buffers=buffers, optimizer_state=optimizer_state, every=every, mode=mode,
                       on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
                       keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards)

@@ -15,8 +15,10 @@ own body (the same rule as eager, decided from the records instead of from ident
 are ``derived`` candidates named after the parent. Output labels (``[0].y``) are noted once, at
 trace time.
 
-Gradients: tensor hooks cannot be registered inside a graph, so the traced hooks put a tap (an
-identity autograd Function, :class:`_Tap`) on a module's top-level floating inputs and outputs
+Gradients (``watch(..., compiled_grads=True)``, off by default): tensor hooks cannot be registered
+inside a graph, so the traced hooks put a tap (an identity autograd Function, :class:`_Tap`, whose
+output is a view: autograd then forbids in-place ops on it, so a model that modifies module inputs
+or outputs in place cannot use it) on a module's top-level floating inputs and outputs
 (a tensor, or tensors in a tuple / list) that require grad; its backward writes the incoming
 gradient's record into a row of the same buffer, stamped by the same counter. A non-finite
 gradient of a module's *input* is what that module's backward made: it is named after the module,
@@ -52,6 +54,16 @@ def _note(owner: int, row: int, label, dtype) -> int:
     """Runs once, while dynamo traces the hook (its result is a constant of the graph): no Python
     work is left in the compiled hook."""
     _NOTES[(owner, row)] = (label, dtype)
+    return 0
+
+
+_SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
+
+
+@torch._dynamo.assume_constant_result
+def _note_shape(owner: int, row: int, shape: tuple) -> int:
+    """A static shape is known when the graph is traced: noted once, not written on every run."""
+    _SHAPES[(owner, row)] = shape
     return 0
 
 
@@ -136,8 +148,9 @@ class TracedRows:
         return any(key[0] == id(self) for key in _NOTES)
 
     def forget(self) -> None:
-        for key in [k for k in _NOTES if k[0] == id(self)]:
-            del _NOTES[key]
+        for notes in (_NOTES, _SHAPES):
+            for key in [k for k in notes if k[0] == id(self)]:
+                del notes[key]
         _ROWS.pop(id(self), None)
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
@@ -146,10 +159,16 @@ class TracedRows:
         return m.activations and m.checking and not m._closed and torch.is_grad_enabled() and m.model.training
 
     def _write(self, row: int, t: torch.Tensor) -> None:
+        """Three graph ops per row: the record, the counter, its value. The shape is noted at trace
+        time when it is static; only symbolic (dynamic) shapes are written at run time."""
         view = self.buffer[row]
         view[:RECORD_SIZE].copy_(self.record_one(t.detach()))
         self.counter.add_(1)
         view[SEQ:SEQ + 1].copy_(self.counter)
+        shape = tuple(t.shape)
+        if all(type(s) is int for s in shape):
+            _note_shape(id(self), row, shape)
+            return
         view[NUMEL] = t.numel()
         view[NDIM] = t.dim()
         for d in range(min(t.dim(), MAX_DIMS)):
@@ -172,7 +191,7 @@ class TracedRows:
                     if k < INPUTS:
                         _note(id(self), base + k, f"{info.name}.{lab}" if info.is_root else None, t.dtype)
                         self._write(base + k, t)
-                        if t is value and t.requires_grad and self.monitor.activation_grads:
+                        if t is value and t.requires_grad and self.monitor.compiled_grads:
                             _note(id(self), grad_base + k, None, t.dtype)
                             container[i] = _Tap.apply(t, id(self), grad_base + k)
                     k += 1
@@ -188,7 +207,7 @@ class TracedRows:
         for k, (label, t) in enumerate(float_tensors(output, "", [])[:OUTPUTS]):
             _note(id(self), base + k, info.name + label, t.dtype)
             self._write(base + k, t)
-        if not self.monitor.activation_grads:
+        if not self.monitor.compiled_grads:
             return None
         if isinstance(output, torch.Tensor):
             if output.requires_grad and (output.is_floating_point() or output.is_complex()):
@@ -226,8 +245,10 @@ class TracedRows:
             r = self.rows[row]
             label, dtype = _NOTES.get((id(self), row), (None, torch.float32))
             name = label or r.name
-            ndim = int(v[NDIM])
-            shape = tuple(int(s) for s in v[DIMS:DIMS + ndim]) if ndim <= MAX_DIMS else (int(v[NUMEL]),)
+            shape = _SHAPES.get((id(self), row))
+            if shape is None:  # written at run time (dynamic shapes)
+                ndim = int(v[NDIM])
+                shape = tuple(int(s) for s in v[DIMS:DIMS + ndim]) if ndim <= MAX_DIMS else (int(v[NUMEL]),)
             slot = Slot(step, r.phase if phase == "forward" else phase, r.kind, name, dtype, shape,
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived

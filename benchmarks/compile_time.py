@@ -1,0 +1,46 @@
+"""torch.compile time of a watched model vs the same model unwatched (issue 10: watched compile time;
+DESIGN §7): the first forward + backward of a compiled timm model, which is where dynamo traces and
+the backend compiles. Side by side in one run, each from a fresh dynamo cache.
+
+    python -m benchmarks.compile_time [--model resnet18] [--backend aot_eager]
+"""
+import argparse
+import time
+
+import torch
+
+import nanscan
+
+
+def first_step_seconds(model_name: str, backend: str, watch: bool) -> float:
+    import timm
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    kwargs = {"img_size": 64} if model_name.startswith("vit") else {}
+    model = timm.create_model(model_name, pretrained=False, num_classes=10, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt) if watch else None
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 64, 64)
+    start = time.perf_counter()
+    torch.nn.functional.cross_entropy(compiled(x), torch.tensor([1, 2])).backward()
+    seconds = time.perf_counter() - start
+    if mon is not None:
+        mon.close()
+    return seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--backend", default="aot_eager")
+    args = parser.parse_args(argv)
+    bare = first_step_seconds(args.model, args.backend, watch=False)
+    watched = first_step_seconds(args.model, args.backend, watch=True)
+    print(f"{args.model} ({args.backend}): unwatched {bare:.1f} s, watched {watched:.1f} s, ratio {watched / bare:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
