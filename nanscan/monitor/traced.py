@@ -54,7 +54,11 @@ def _note(owner: int, row: int, label, dtype) -> int:
     """Runs once, while dynamo traces the hook (its result is a constant of the graph): no Python
     work is left in the compiled hook."""
     _NOTES[(owner, row)] = (label, dtype)
+    _TRACED.add(owner)
     return 0
+
+
+_TRACED: set = set()  # id(TracedRows) of those whose hooks were traced into some graph
 
 
 _SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
@@ -145,13 +149,14 @@ class TracedRows:
     @property
     def used(self) -> bool:
         """A traced hook was compiled (the buffer is worth reading)."""
-        return any(key[0] == id(self) for key in _NOTES)
+        return id(self) in _TRACED
 
     def forget(self) -> None:
         for notes in (_NOTES, _SHAPES):
             for key in [k for k in notes if k[0] == id(self)]:
                 del notes[key]
         _ROWS.pop(id(self), None)
+        _TRACED.discard(id(self))
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
