@@ -38,6 +38,17 @@ def run(model, steps, plant, compile_kw=None, eval_between=False, make_opt=None,
     return None, mon
 
 
+def eager_and_compiled(make, steps, plant, compile_kw, compiled_only=None, **options):
+    """The incidents of the same seeded run, eager then compiled (``compile_kw``); ``options`` go to
+    both runs, ``compiled_only`` (e.g. ``compiled_grads``, ``eval_between``) to the compiled one."""
+    torch.manual_seed(0)
+    eager, _ = run(make(), steps, plant, **options)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled, _ = run(make(), steps, plant, compile_kw, **options, **(compiled_only or {}))
+    return eager, compiled
+
+
 def block_fault(model, i):
     model.block.fault = i == 2
     return torch.randn(4, 8)
@@ -98,12 +109,8 @@ MATRIX = ([("aot_eager", fullgraph, case) for fullgraph in (False, True) for cas
 @pytest.mark.parametrize("backend,fullgraph,case", MATRIX)
 def test_compiled_incident_equals_eager(backend, fullgraph, case):
     make, plant, make_opt, loss_fn = CASES[case]
-    torch.manual_seed(0)
-    eager, _ = run(make(), 4, plant, make_opt=make_opt, loss_fn=loss_fn)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    compiled, _ = run(make(), 4, plant, dict(backend=backend, fullgraph=fullgraph), make_opt=make_opt, loss_fn=loss_fn,
-                      compiled_grads=True)
+    eager, compiled = eager_and_compiled(make, 4, plant, dict(backend=backend, fullgraph=fullgraph),
+                                         dict(compiled_grads=True), make_opt=make_opt, loss_fn=loss_fn)
     assert eager is not None and compiled is not None
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert compiled.inputs == eager.inputs
@@ -111,11 +118,7 @@ def test_compiled_incident_equals_eager(backend, fullgraph, case):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eval_forwards_between_compiled_steps_change_nothing(backend):
-    torch.manual_seed(0)
-    eager, _ = run(Net(), 4, block_fault)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    compiled, _ = run(Net(), 4, block_fault, dict(backend=backend), eval_between=True)
+    eager, compiled = eager_and_compiled(Net, 4, block_fault, dict(backend=backend), dict(eval_between=True))
     assert incident_tuple(compiled) == incident_tuple(eager) and compiled.produced is True
 
 
@@ -152,11 +155,8 @@ def test_compiled_backward_fault_equals_eager(backend, fullgraph):
         m.fault = i == 1
         return torch.randn(4, 8)
 
-    torch.manual_seed(0)
-    eager, _ = run(SqNet(), 3, plant)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    compiled, _ = run(SqNet(), 3, plant, dict(backend=backend, fullgraph=fullgraph), compiled_grads=True)
+    eager, compiled = eager_and_compiled(SqNet, 3, plant, dict(backend=backend, fullgraph=fullgraph),
+                                         dict(compiled_grads=True))
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert key(eager) == (1, "backward", "sq", "grad", True)
 
@@ -236,9 +236,7 @@ def test_compiled_buffer_overflow_equals_eager():
                 model[0].weight.mul_(1e30)  # finite outputs, infinite variance
         return torch.randn(4, 8)
 
-    eager, _ = run(make(), 3, plant)
-    torch._dynamo.reset()
-    compiled, _ = run(make(), 3, plant, dict(backend="aot_eager"))
+    eager, compiled = eager_and_compiled(make, 3, plant, dict(backend="aot_eager"))
     assert key(compiled) == key(eager) == (1, "update", "1.running_var", "buffer", True)
 
 
@@ -267,11 +265,7 @@ def test_in_place_ops_on_module_outputs_compile_with_the_default_options(fullgra
         model.fault = i == 2
         return torch.randn(4, 8)
 
-    torch.manual_seed(0)
-    eager, _ = run(InPlace(), 4, plant)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    compiled, _ = run(InPlace(), 4, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    eager, compiled = eager_and_compiled(InPlace, 4, plant, dict(backend="aot_eager", fullgraph=fullgraph))
     assert incident_tuple(compiled) == incident_tuple(eager)
     assert key(compiled) == (2, "forward", "(model)", "activation", True)
 
