@@ -207,12 +207,12 @@ def kernels(backend: Optional[str], device: torch.device):
 
 
 def monitor_extension():
-    """The Python functions of the compiled library (``nanscan._C``: the monitor's C++ backward
-    tap, ``csrc/monitor/grad_sink.cpp``), or None when the library is unusable here."""
+    """The Python module of the compiled library (``nanscan._C``: the monitor's C++ hooks, read
+    windows and backward tap, ``csrc/monitor/``), or None when the library is unusable here."""
     if LOAD_ERROR is not None:
         return None
     try:
         from nanscan import _C as module
     except ImportError:  # pragma: no cover - a library without its Python module
         return None
-    return module if hasattr(module, "GradSink") else None
+    return module if hasattr(module, "Hooks") else None

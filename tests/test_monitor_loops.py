@@ -11,6 +11,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 import nanscan
+from nanscan.monitor.slots import at
 from tests.test_monitor import Net  # embed -> block (log of a negative when block.fault) -> head
 
 INF = float("inf")
@@ -315,7 +316,8 @@ def test_non_reentrant_checkpointing_is_not_double_counted():
     original = mon._decode
 
     def spy(copy_, **kw):
-        seen.append([s.name for s in copy_.slots if getattr(s, "phase", None) == "forward"])
+        slots = [at(copy_.slots, i) for i in range(len(copy_.slots))]
+        seen.append([s.name for s in slots if s.phase == "forward"])
         return original(copy_, **kw)
 
     mon._decode = spy
@@ -433,18 +435,23 @@ def test_a_batch_that_cannot_be_kept_does_not_wedge_the_monitor(tmp_path):
 
 
 @pytest.mark.parametrize("backend", [None, "reference"])
-def test_backward_attribution_same_with_the_cpp_tap_and_the_python_hooks(backend):
-    # Default kernels: gradients of module outputs go to the C++ tap (csrc/monitor/grad_sink.cpp);
-    # another backend (here the reference) keeps Python node hooks. Same incident either way.
+def test_backward_attribution_same_with_every_kernel_backend(backend, monkeypatch):
+    # The C++ tap (csrc/monitor/grad_sink.h) takes the gradients of module outputs whatever the
+    # backend: with the default kernels it summarizes them without Python, with another backend
+    # (here the reference) it calls that backend's summarize_many. Same incident either way.
+    from nanscan.kernels import reference
+
     torch.manual_seed(0)
-    uses_cpp = []
+    calls = []
+    original = reference.summarize_many
 
-    def plant(m, i):
-        m.fault = i == 1
-        uses_cpp.append(nanscan.monitor.monitor._WATCHED[id(m)].grad_sink is not None)
+    def counting(xs):
+        calls.append(len(xs))
+        return original(xs)
 
-    inc = raised_incident(SqNet(), plant, backend=backend)
-    assert uses_cpp[0] == (backend is None)
+    monkeypatch.setattr(reference, "summarize_many", counting)
+    inc = raised_incident(SqNet(), lambda m, i: setattr(m, "fault", i == 1), backend=backend)
+    assert bool(calls) == (backend == "reference")
     assert key(inc) == (1, "backward", "sq", "grad", True) and inc.summary.shape == (4, 8)
 
 

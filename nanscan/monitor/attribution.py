@@ -55,7 +55,7 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
     last_bad = {}  # (step, phase) -> the latest non-finite slot that is not a compiled input row
     explained_by = {}  # compiled input row -> that slot: the value it most likely is (no identity in a graph)
     for i in sorted(bad, key=position):
-        s = slots[i]
+        s = at(slots, i)
         if s.late:  # the root's output, recorded eagerly after a compiled forward (decoded before its rows)
             continue
         earlier = (s.step, s.phase) in seen
@@ -68,7 +68,6 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
             last_bad[(s.step, s.phase)] = i
         if not s.candidate or (s.step, s.phase) in first:
             continue
-        s = at(slots, i)
         if s.stale or allowed(s, allow):
             continue
         name, inputs, sure = s.name, s.inputs, True
@@ -103,10 +102,9 @@ def offenders(slots, bad: set, *, allow, position=None) -> dict:
     batch, compiled input rows) and stale ones are left out."""
     found: dict = {}
     for i in sorted(bad, key=position):
-        s = slots[i]
+        s = at(slots, i)
         if not s.candidate or s.derived or s.late:
             continue
-        s = at(slots, i)
         if s.stale or allowed(s, allow):
             continue
         names = found.setdefault(s.step, [])

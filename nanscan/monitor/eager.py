@@ -1,12 +1,16 @@
 """Eager hooks: what the monitor records while a module runs outside a compiled graph.
 
-Per module call, a forward pre-hook and a forward hook; per recorded module output that has an
-autograd node, one pre-hook on that node (it receives the gradient flowing into the output): in
-C++ with the default kernels (``csrc/monitor/grad_sink.cpp``: no Python in the backward), a Python
-hook (:meth:`EagerHooks._on_grad`) otherwise. Each forward hook does only list / dict work and
-queues the tensor in :class:`nanscan.monitor.slots.Slots` (summarized in batches): everything a
-hook needs about its module (name, whether it works in place, the root flag) is in a
-:class:`ModuleInfo` built once at ``watch``.
+Per module call, a forward pre-hook and a forward hook: Python wrappers of two lines around the C++
+hooks (``csrc/monitor/recorder.cpp``), which do the work -- walk the inputs and outputs, keep the
+tensor-identity map, make a row per record, queue the tensor in the read window
+(:class:`nanscan._C.Window`, summarized in batches) and tap its gradient: per recorded module
+output that has an autograd node, one C++ pre-hook on that node receives the gradient flowing
+into the output (``csrc/monitor/grad_sink.h``). No Python runs in the backward; a row becomes a
+Python :class:`~nanscan.monitor.slots.Slot` only when a read is decoded and asks for it
+(:class:`~nanscan.monitor.slots.EagerRows`). Everything the hooks need about a module (name,
+whether it works in place, the root flag) is in a :class:`ModuleInfo` built once at ``watch``.
+Why C++: on a GPU the host's Python time per module is on the critical path of every step
+(``benchmarks/host_cost.py``).
 
 What is recorded, in production order:
 
@@ -29,15 +33,11 @@ they were recorded when they first ran.
 from __future__ import annotations
 
 import weakref
-from functools import partial
 from typing import Optional
 
 import torch
 
-from nanscan.monitor.slots import Slot
-
 ROOT = "(model)"
-_current_graph_task_id = torch._C._current_graph_task_id
 
 
 def _run_eagerly_as_frame(fn):
@@ -61,19 +61,17 @@ def _run_eagerly_as_frame(fn):
 
 
 class ModuleInfo:
-    """What the hooks of one module need, computed once at ``watch``."""
+    """What the hooks of one module need, computed once at ``watch``; ``index`` is its position in
+    the monitor's module list (the C++ hooks know a module by it)."""
 
-    __slots__ = ("name", "module", "is_root", "inplace", "eager", "last_inputs", "last_outputs", "__weakref__")
+    __slots__ = ("name", "module", "is_root", "inplace", "index", "__weakref__")
 
-    def __init__(self, name: str, module: torch.nn.Module, is_root: bool):
-        self.name, self.is_root = name, is_root
+    def __init__(self, name: str, module: torch.nn.Module, is_root: bool, index: int = 0):
+        self.name, self.is_root, self.index = name, is_root, index
         self.module = weakref.ref(module)
         # A module that overwrites its input (nn.ReLU(inplace=True), Dropout(inplace=True), ...):
         # queued records are summarized before it runs.
         self.inplace = bool(getattr(module, "inplace", False))
-        self.eager = False  # its outputs were changed in place after its hook once: never batch them
-        self.last_inputs: tuple = ()  # slot indices of the inputs / outputs of its last call this window
-        self.last_outputs: tuple = ()
 
 
 def _root_hooks(pre, post):
@@ -89,7 +87,8 @@ def _root_hooks(pre, post):
 
 
 def float_tensors(value, prefix: str, out: list) -> list:
-    """Append ``(label, tensor)`` for every floating / complex tensor inside ``value``."""
+    """Append ``(label, tensor)`` for every floating / complex tensor inside ``value``. (The compiled
+    path's walk: dynamo traces it. The C++ hooks walk the same way: ``gather`` in recorder.cpp.)"""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex():
             out.append((prefix, value))
@@ -102,33 +101,23 @@ def float_tensors(value, prefix: str, out: list) -> list:
     return out
 
 
-class _Frame:
-    """One running module call: its info and the slot indices of its inputs and outputs."""
-
-    __slots__ = ("info", "inputs", "outputs")
-
-    def __init__(self, info, inputs):
-        self.info, self.inputs, self.outputs = info, inputs, ()
-
-
 class EagerHooks:
-    """Forward and backward hooks of one watched model. ``monitor`` provides ``slots`` (where to
-    record), ``step_index``, ``_forward_begins`` / ``_forward_ends`` (step and phase decisions) and
-    ``traced`` (the compiled path, which takes over inside ``torch.compile``)."""
+    """Forward hooks of one watched model: per module a pre-hook and a hook, two-line Python
+    wrappers around the C++ :class:`nanscan._C.Hooks` (``csrc/monitor/recorder.cpp``) that take the
+    compiled path (:class:`nanscan.monitor.traced.TracedRows`) while dynamo traces them. The C++
+    side calls back into this object for the rare events: an outermost call begins
+    (:meth:`begin`: the monitor decides step and phase), a forward ends, the model returned its
+    loss."""
 
-    def __init__(self, monitor, infos: list, record_grads: bool):
+    def __init__(self, monitor, infos: list, record_grads: bool, extension):
         self.monitor = monitor
         self.infos = infos
-        self.record_grads = record_grads
-        self.stack: list = []  # running module calls (None for a call that is not recorded)
-        # id(tensor) -> (weakref, version, slot index), per phase: eval forwards have slots of their own
-        self._known: dict = {"forward": {}, "eval": {}}
-        self.known: dict = self._known["forward"]
-        self.slots = monitor.slots
-        self.phase: Optional[str] = None  # "forward" / "eval" while an outermost call records, else None
-        self.backward_seen = False  # a gradient was recorded since the step began
         self.recorded_forward = False  # a training forward was recorded in this read window
-        self.root_outputs: tuple = ()
+        self.cpp = extension.Hooks([i.name for i in infos], [i.module for i in infos], [i.is_root for i in infos],
+                                   [i.inplace for i in infos], monitor.slots, monitor.eval_slots, monitor.grad_sink,
+                                   self)
+        self.cpp.record_grads = record_grads
+        self._pre, self._post = self.cpp.fast_hooks()  # (plain C functions: no pybind11 dispatch per call)
 
     def install(self) -> list:
         handles = []
@@ -141,175 +130,71 @@ class EagerHooks:
             handles.append(module.register_forward_hook(post, with_kwargs=True))
         return handles
 
+    def close(self) -> None:
+        self.cpp.release()  # (the C++ side holds this object: the cycle ends here)
+
+    @property
+    def phase(self) -> Optional[str]:
+        """``"forward"`` / ``"eval"`` while an outermost call records, else None."""
+        return self.cpp.phase
+
+    @property
+    def root_outputs(self) -> tuple:
+        """Entries of the root module's outputs in its last recorded call (the loss's inputs)."""
+        return self.cpp.root_outputs
+
     def reset(self, phase: str = "forward") -> None:
-        """A new read window of ``phase``: its earlier slot indices are void."""
-        self._known[phase].clear()
-        if phase == "eval":
-            return
-        self.stack.clear()
-        self.backward_seen = False
-        for info in self.infos:
-            info.last_inputs = info.last_outputs = ()
+        """A new read window of ``phase``: running calls of the old one are forgotten."""
+        if phase == "forward":
+            self.cpp.reset()
 
-    # --------------------------------------------------------------- tensor identity
-    def _remember(self, t: torch.Tensor, index: int) -> None:
-        self.known[id(t)] = (weakref.ref(t), None if t.is_inference() else t._version, index)
+    # --------------------------------------------------------------- called back by the C++ hooks
+    def begin(self, index: int, args, kwargs):
+        """An outermost watched call starts: ``(phase, step)`` its records get, or None."""
+        phase = self.monitor._forward_begins(self.infos[index], args, kwargs)
+        if phase is None:
+            return None
+        if phase == "forward":
+            self.recorded_forward = True
+        return phase, self.monitor.step_index
 
-    # --------------------------------------------------------------- forward
-    # The hooks run for every module call: locals instead of attribute lookups, the single-tensor
-    # input / output handled without the generic walk, the tensor-identity map inlined.
+    def forward_ends(self, index: int) -> None:
+        self.monitor._forward_ends(self.infos[index])
+
+    def model_loss(self, output) -> None:
+        """The root returned ``output["loss"]`` (recorded as the loss): ``check_loss`` of the same
+        tensor must not record it twice."""
+        self.monitor._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
+
+    # --------------------------------------------------------------- the hooks
+    # Everything a call needs is bound once here: a hook is one check and one C++ call.
     def _pre_hook(self, info: ModuleInfo):
-        monitor, hooks = self.monitor, self
-        alive, is_root, inplace = info.module, info.is_root, info.inplace
-        is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
+        traced, pre, index = self.monitor.traced, self._pre, info.index
+        is_compiling = torch.compiler.is_compiling
 
         def pre_hook(module, args, kwargs):
             if is_compiling():
-                return monitor.traced.write_inputs(info, args, kwargs)
-            if module is not alive():  # a copy of the model (deepcopy, EMA) carries the hooks: not ours
-                return None
-            stack = hooks.stack
-            if _current_graph_task_id() != -1:  # recomputed inside a backward (checkpointing)
-                stack.append(None)
-                return None
-            if not stack or is_root:
-                stack.clear()  # (frames a forward that raised left behind)
-                hooks._begin(info, args, kwargs)
-            phase = hooks.phase
-            if phase is None:
-                stack.append(None)
-                return None
-            if len(args) == 1 and not kwargs and type(args[0]) is Tensor:
-                t = args[0]
-                found = (("input[0]", t),) if (t.is_floating_point() or t.is_complex()) else ()
-            else:
-                found = float_tensors(args, "input", []) if args else []
-                if kwargs:
-                    float_tensors(kwargs, "input", found)
-            inputs = []
-            frame = _Frame(info, inputs)
-            if found:
-                slots, known = hooks.slots, hooks.known
-                for label, t in found:
-                    entry = known.get(id(t))
-                    if entry is not None and entry[0]() is t and (entry[1] is None or entry[1] == t._version):
-                        index = entry[2]
-                        slot = slots.slots[index]
-                        if slot.consumers is None:
-                            slot.consumers = [frame]
-                        else:
-                            slot.consumers.append(frame)
-                    else:
-                        parent = stack[-1] if stack else None
-                        if parent is not None:  # made by an op in the parent's own body
-                            slot = Slot(monitor.step_index, phase, "activation", parent.info.name, t.dtype, t.shape,
-                                        tuple(parent.inputs), True, parent.info)
-                        else:  # the batch: recorded for attribution only
-                            slot = Slot(monitor.step_index, phase, "activation", f"{info.name}.{label}", t.dtype,
-                                        t.shape, (), False)
-                        slot.consumers = [frame]
-                        index = slots.add(t, slot)
-                        hooks._remember(t, index)
-                    inputs.append(index)
-                if inplace:
-                    slots.flush()
-            stack.append(frame)
-            return None
+                return traced.write_inputs(info, args, kwargs)
+            pre(index, module, args, kwargs)
 
         return pre_hook
 
-    def _begin(self, info, args, kwargs) -> None:
-        """An outermost watched call starts: the monitor decides the phase (None: not recorded)."""
-        self.phase = phase = self.monitor._forward_begins(info, args, kwargs)
-        if phase is not None:
-            self.slots = self.monitor.slots if phase == "forward" else self.monitor.eval_slots
-            self.known = self._known[phase]
-            if phase == "forward":
-                self.recorded_forward = True
-
     def _post_hook(self, info: ModuleInfo):
-        monitor, hooks = self.monitor, self
-        alive, name, is_root = info.module, info.name, info.is_root
-        is_compiling, Tensor = torch.compiler.is_compiling, torch.Tensor
-        on_grad = self._on_grad
-        sink, tap = monitor.grad_sink, monitor.tap
+        traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
+        is_compiling = torch.compiler.is_compiling
 
-        def post_hook(module, args, kwargs, output):
-            if is_compiling():
-                return monitor.traced.write_outputs(info, output)
-            if module is not alive():
-                return None
-            stack = hooks.stack
-            if not stack:
-                return None
-            frame = stack.pop()
-            if frame is None:  # a call that is not recorded
-                return None
-            if frame.info is not info:  # out of step: a forward raised and left its frames behind
-                stack.clear()
-                return None
-            phase, slots, known = hooks.phase, hooks.slots, hooks.known
-            inputs = frame.inputs  # (a list no one changes after the pre-hook)
-            if type(output) is Tensor:
-                found = (("", output),) if (output.is_floating_point() or output.is_complex()) else ()
-            else:
-                found = float_tensors(output, "", [])
-            outputs, loss_slot = [], None
-            record_grad = hooks.record_grads and phase == "forward"
-            # The root's own outputs after a compiled forward: its eager record would precede the
-            # graph's rows in production order, so it only serves attribution (the loss).
-            candidate = not (is_root and monitor.traced.used)
-            for label, t in found:
-                entry = known.get(id(t))
-                if entry is not None and entry[0]() is t and (entry[1] is None or entry[1] == t._version):
-                    outputs.append(entry[2])  # an input or a child's output, returned unchanged
-                    continue
-                slot = Slot(monitor.step_index, phase, "activation", name + label if label else name, t.dtype, t.shape,
-                            inputs, candidate, info)
-                slot.late = not candidate
-                if is_root and label == ".loss" and phase == "forward":  # HF-style: the model returns its loss
-                    slot.phase, slot.kind, slot.name, loss_slot = "loss", "loss", "loss", slot
-                index = slots.add(t, slot)
-                hooks._remember(t, index)
-                if record_grad:
-                    if sink is not None:
-                        tap(t, sink, index)  # C++: the gradient is queued and summarized without Python
-                    else:
-                        node = t.grad_fn
-                        if node is not None:
-                            node.register_prehook(partial(on_grad, index, t.output_nr, monitor.slots_generation))
-                outputs.append(index)
-            if loss_slot is not None:  # it was computed from the model's inputs and its other outputs
-                loss_slot.inputs = tuple(inputs) + tuple(o for o in outputs if slots.slots[o] is not loss_slot)
-                monitor._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
-            frame.outputs = outputs
-            info.last_inputs, info.last_outputs = inputs, outputs
-            if info.eager:
-                slots.flush()
-            if not stack:  # the forward ends: summarize before the loop can edit its tensors in place
-                slots.flush()
-                if is_root:
-                    hooks.root_outputs = tuple(outputs)
-                monitor._forward_ends(info)
-            return None
+        if info.is_root:
+            def post_hook(module, args, kwargs, output):
+                if is_compiling():
+                    return traced.write_outputs(info, output)
+                # After a compiled forward the root's eager records would precede the graph's rows
+                # in production order: they only serve attribution (the loss).
+                cpp.root_late = traced.used
+                post(index, module, args, kwargs, output)
+        else:
+            def post_hook(module, args, kwargs, output):
+                if is_compiling():
+                    return traced.write_outputs(info, output)
+                post(index, module, args, kwargs, output)
 
         return post_hook
-
-    # --------------------------------------------------------------- backward
-    def _on_grad(self, index: int, output_nr: int, generation: int, grad_outputs):
-        """Pre-hook of the autograd node that made a recorded output: ``grad_outputs[output_nr]``
-        is the gradient flowing into that output. (Registered as a ``functools.partial``: one
-        small object per output per step, where a closure would be three -- allocations are what
-        make Python's garbage collector run during the step.)"""
-        monitor = self.monitor
-        grad = grad_outputs[output_nr] if output_nr < len(grad_outputs) else None
-        if grad is None or monitor._closed or monitor.slots_generation != generation:
-            return None
-        slots = monitor.slots
-        forward = slots.slots[index]
-        slot = Slot(monitor.step_index, "backward", "grad", f"{forward.name} (output grad)", grad.dtype,
-                    grad.shape, (), True, forward.owner)
-        slot.grad_of = index
-        forward.grad = slots.add(grad, slot)
-        self.backward_seen = True
-        return None

@@ -48,7 +48,7 @@ from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
-from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, GradBlock, Slot, Slots
+from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBlock, Slot, at
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.traced import TracedRows
@@ -85,25 +85,36 @@ class Monitor:
         self.steplog: Optional[StepLog] = StepLog(log, self.rank) if log is not None else None
         self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
         self._kernels: dict = {}  # device -> (one, many)
-        infos = [ModuleInfo(name or ROOT, m, m is model) for name, m in model.named_modules()]
+        infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in self._params]
+        self._all_param_names = frozenset(self._param_names)
         self._param_tensors = [p for _, p in self._params]
         self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if buffers else []
+        extension = _ops.monitor_extension()
+        if extension is None:
+            raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
+                               f"C++): {_ops.LOAD_ERROR}")
         # Per read window: the records (production order); eval forwards have their own.
-        self.slots = Slots(self._summarize_many, self._went_stale)
-        self.eval_slots = Slots(self._summarize_many, self._went_stale)
+        marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
+
+        def window():
+            return extension.Window(marker, lambda rows: EagerRows(rows, infos), self._summarize_many, None,
+                                    len(infos), BATCH, BATCH_BYTES)
+
+        self.slots, self.eval_slots = window(), window()
         self.slots_generation = 0
-        # The gradients of module outputs go to the C++ tap when the default kernels run (no
-        # Python in the backward); otherwise to Python node hooks (eager.EagerHooks._on_grad).
-        self.grad_sink, self.tap = None, None
-        extension = _ops.monitor_extension() if self.activation_grads else None
-        if extension is not None and (backend or os.environ.get("NANSCAN_BACKEND") or "cpu") in ("cpu", "cuda"):
-            self.grad_sink, self.tap = extension.GradSink(BATCH, BATCH_BYTES), extension.tap
-        self.hooks = EagerHooks(self, infos, record_grads=self.activation_grads)
+        # The gradients of module outputs: a C++ tap on the autograd node of each recorded output.
+        # With the default kernels it summarizes without Python (no Python in the backward).
+        self.grad_sink = None
+        if self.activation_grads:
+            many = self._kernels_for(self._model_device())[1]
+            self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES,
+                                                None if many is torch.ops.nanscan.summarize_many.default else many)
+        self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
         self.traced = TracedRows(self, infos, self._kernels_for)
         # Step state.
         self.step_index = 0
@@ -149,10 +160,6 @@ class Monitor:
 
     def _summarize_many(self, xs: list) -> torch.Tensor:
         return self._kernels_for(xs[0].device)[1](xs)
-
-    def _went_stale(self, slot: Slot) -> None:
-        if slot.owner is not None:
-            slot.owner.eager = True
 
     def _wrap_scaler_step(self) -> None:
         """GradScaler has no hooks; two methods of this scaler instance are wrapped.
@@ -213,7 +220,7 @@ class Monitor:
 
     def _backward_seen(self) -> bool:
         """A gradient of a module output was received since the last read."""
-        return self.hooks.backward_seen or (self.grad_sink is not None and len(self.grad_sink) > 0)
+        return self.grad_sink is not None and len(self.grad_sink) > 0
 
     def _forward_ends(self, info: ModuleInfo) -> None:
         if self.hooks.phase == "eval":
@@ -318,7 +325,6 @@ class Monitor:
                 self.traced.allocate(self._model_device())
             self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
             self._applied = False
-            self.hooks.backward_seen = False
 
     # ------------------------------------------------------------------ user API
     @contextlib.contextmanager
@@ -424,6 +430,7 @@ class Monitor:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self.hooks.close()
             self.traced.forget()
             _WATCHED.pop(id(self.model), None)
 
@@ -440,25 +447,24 @@ class Monitor:
             attach_note(exc, f"nanscan.Monitor.close failed: {secondary!r}")
 
     # ------------------------------------------------------------------ reading
-    def _param_grad_block(self, window: list):
+    def _param_grad_block(self, rows):
         """Records and a :class:`Block` of the parameter gradients as they are now (final:
         accumulated, and unscaled if ``scaler.unscale_`` ran), or None. A gradient's inputs: the
-        gradients of its module's outputs and the module's forward inputs in this window."""
-        present = [k for k, p in enumerate(self._param_tensors) if p.grad is not None]
-        if not present:
-            return None
-        grads = [self._param_tensors[k].grad for k in present]
-        names = [self._param_names[k] for k in present]
-        owners = [self._param_owners[k] for k in present]
-        io = {id(o): (o.last_inputs, o.last_outputs) for o in set(owners) if o is not None}
+        gradients of its module's outputs and the module's forward inputs in this window (``rows``:
+        the window's hook records, or None)."""
+        grads = [p.grad for p in self._param_tensors]
+        names, owners = self._param_names, self._param_owners
+        if any(g is None for g in grads):
+            present = [k for k, g in enumerate(grads) if g is not None]
+            if not present:
+                return None
+            grads = [grads[k] for k in present]
+            names = [names[k] for k in present]
+            owners = [owners[k] for k in present]
 
-        def inputs(k):
+        def inputs(k):  # (asked only when a gradient is decoded as non-finite)
             owner = owners[k]
-            if owner is None:
-                return ()
-            last_inputs, last_outputs = io[id(owner)]
-            return tuple(window[o].grad for o in last_outputs if o < len(window) and type(window[o]) is Slot
-                         and window[o].grad is not None) + tuple(last_inputs)
+            return () if owner is None or rows is None else rows.rows.weight_inputs(owner.index)
 
         # Without the gradients of module outputs, the gradient a weight received is unknown:
         # no inputs, so "produced" is None rather than judged from the forward inputs alone.
@@ -468,15 +474,15 @@ class Monitor:
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
         self._read_this_step = True
-        slots, rows = self.slots.take()
+        slots, rows, eager_rows = self.slots.take()
         blocks = [rows] if rows is not None else []
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
             indices, records, stale, dtypes, shapes = self.grad_sink.take()
             if indices:
                 block = GradBlock(self.step_index, slots, indices, stale, dtypes, shapes)
                 block.start = len(slots)
-                for k, i in enumerate(indices):
-                    slots[i].grad = block.start + k
+                if eager_rows is not None:
+                    eager_rows.rows.set_grads(indices, block.start)
                 slots = slots + [block] * len(indices)
                 blocks.extend(records)
         self.slots_generation += 1
@@ -485,7 +491,7 @@ class Monitor:
         recorded_forward, self.hooks.recorded_forward = self.hooks.recorded_forward, False
         grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
         if include_grads and self.grads and self._params:
-            found = self._param_grad_block(slots)
+            found = self._param_grad_block(eager_rows)
             if found is not None:
                 rows, block = found
                 block.start = grad_start = len(slots)
@@ -523,7 +529,7 @@ class Monitor:
             raise error
 
     def _read_eval(self) -> None:
-        slots, rows = self.eval_slots.take()
+        slots, rows, _ = self.eval_slots.take()
         self.hooks.reset("eval")
         if rows is None:
             return
@@ -567,10 +573,10 @@ class Monitor:
             # (read after the backward; eager ones are last in index order already).
             grad_start = copy.grad_start if copy.grad_start is not None else offset
             position = (lambda i: (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i)))
-        phase = slots[0].phase if slots else None
+        phase = at(slots, 0).phase if slots else None
         if phase != "eval":
             self._check_hooks_ran(copy, slots)
-            self._note_read(slots, bad, step)
+            self._note_read(slots, bad, step, copy.grad_start)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
                                 handled_step=step if handled else None, position=position)
         self.incidents.extend(found)
@@ -617,17 +623,17 @@ class Monitor:
             for inc in incidents:
                 self.steplog.incident(inc, self.bundle_path if inc.step == self._capturer.bundle_step else None)
 
-    def _note_read(self, slots, bad, step) -> None:
+    def _note_read(self, slots, bad, step, grad_start) -> None:
         """What later windows need of this one: which parameters had a gradient read (and which of
         those were non-finite) for the update records, and whether the forward was finite for the
-        buffer records. Kept for the last few steps."""
-        for s in slots:
-            if type(s) is Block and s.param:
-                names = set(s.names)
-                bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)}
-                self._grads_read[s.step] = (names, bad_names)
-                break
-        self._forward_bad[step] = any(slots[i].phase == "forward" and slots[i].candidate for i in bad)
+        buffer records (``grad_start``: where the parameter gradients' block starts, or None).
+        Kept for the last few steps."""
+        if grad_start is not None:
+            s = slots[grad_start]
+            names = self._all_param_names if s.names is self._param_names else frozenset(s.names)
+            bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)}
+            self._grads_read[s.step] = (names, bad_names)
+        self._forward_bad[step] = any(s.phase == "forward" and s.candidate for s in (at(slots, i) for i in bad))
         for old in [k for k in self._grads_read if k < step - 2]:
             del self._grads_read[old]
         for old in [k for k in self._forward_bad if k < step - 2]:
@@ -637,7 +643,7 @@ class Monitor:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:
         typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph never
         calls hooks added later. Attribution would then be wrong, so refuse loudly."""
-        if not self.activations or getattr(copy, "recorded_forward", True) or copy.traced:
+        if not self.activations or copy.recorded_forward or copy.traced:
             return
         if any(type(s) is Block and s.param for s in slots[-1:]) or any(
                 s.phase in ("loss", "backward") and s.step == copy.step for s in slots if type(s) is Slot):
@@ -679,8 +685,8 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     :mod:`nanscan.monitor.monitor`).
 
     ``activations``: module outputs (and values made in a module's own body) in the forward, and
-    (``activation_grads``) the gradients flowing into module outputs (taken in C++ with the default
-    kernels; Python node hooks otherwise; inside compiled graphs, taps that add graph ops). Without
+    (``activation_grads``) the gradients flowing into module outputs (taken by a C++ hook on each
+    output's autograd node; inside compiled graphs, taps that add graph ops). Without
     them a backward-only fault is reported at the first non-finite parameter gradient with
     ``produced=None``. Inside ``torch.compile`` graphs those gradients need taps on module inputs and
     outputs (identity autograd Functions, whose outputs are views): ``compiled_grads=True`` turns

@@ -27,12 +27,19 @@ class Copy:
         self.bad: set = set()
         self.extras: dict = {}
         self.traced: Optional[list] = None  # [(row, values)] of the compiled rows written, or None
+        self.grad_start: Optional[int] = None  # where the parameter gradients' block starts, if read
+        self.recorded_forward = True  # a training forward was recorded in the window
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool) -> "Copy":
         """Stack ``blocks`` (``[k, RECORD_SIZE]`` records of ``slots``, in order), the ``extras``
         (``(name, one-element tensor)``) and the compiled rows, and start the copy."""
-        parts = [torch.nn.functional.pad(b, (0, COLUMNS - RECORD_SIZE)) for b in blocks]
+        parts = []
+        if blocks:  # (one cat, then one pad to the compiled rows' width: each op costs host time)
+            device = blocks[0].device
+            blocks = [b if b.device == device else b.to(device, non_blocking=True) for b in blocks]
+            records = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+            parts.append(torch.nn.functional.pad(records, (0, COLUMNS - RECORD_SIZE)))
         parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, COLUMNS) for _, e in extras]
         if traced is not None:
             parts.append(traced)

@@ -1,8 +1,13 @@
 """The monitor's records of one read window, in production order.
 
 A :class:`Slot` says what one record describes (step, phase, kind, name, dtype, shape) and what it
-depends on; :class:`Slots` keeps them in the order the tensors were produced together with the
-device records, summarized in batches.
+depends on. The window itself -- the entries in production order and the device records,
+summarized in batches -- is the C++ :class:`nanscan._C.Window` (``csrc/monitor/recorder.cpp``):
+the eager hooks add rows to it without making Python objects, Python code adds :class:`Slot`
+objects (the loss, optimizer state) and :class:`Block` runs (parameters, buffers). A taken window
+is a list in which every entry is a :class:`Slot` or a lazy run (:class:`Block`,
+:class:`GradBlock`, :class:`EagerRows`) standing in for each of its rows; :func:`at` gives the
+:class:`Slot` of any entry.
 
 Why batches: one ``summarize`` launch costs a few microseconds of host time whatever the tensor's
 size, and the monitor records two or three tensors per module per step; ``summarize_many`` over a
@@ -13,15 +18,9 @@ place, or when the batch is full (``BATCH`` tensors or ``BATCH_BYTES``: bounded 
 Why that is safe: a tensor changed in place between its hook and the batch would be summarized
 with its later value. Its version counter says so; the slot is then marked ``stale`` (nanscan
 cannot tell what it held when it was produced, and says so), and the module it came from is
-recorded without batching from then on (``on_stale`` callback).
+recorded without batching from then on.
 """
 from __future__ import annotations
-
-from typing import Callable, Optional
-
-import torch
-
-from nanscan.record import RECORD_SIZE
 
 BATCH = 64
 BATCH_BYTES = 64 << 20
@@ -51,78 +50,6 @@ class Slot:
         self.known_bad_inputs = None
         # Recorded eagerly after a compiled forward whose rows are decoded after it: not a producer.
         self.late = False
-
-
-class Slots:
-    """Slots of the current read window and their records (device tensors, one row per slot)."""
-
-    def __init__(self, summarize_many: Callable[[list], torch.Tensor],
-                 on_stale: Optional[Callable[[Slot], None]] = None):
-        self._summarize_many = summarize_many
-        self._on_stale = on_stale
-        self.slots: list = []
-        self.blocks: list = []  # summarized records, [k, RECORD_SIZE] each, in slot order
-        self._queued: list = []  # tensors not summarized yet (the last len(_queued) slots)
-        self._versions: list = []
-        self._bytes = 0
-        self._device = None
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def add(self, tensor: torch.Tensor, slot: Slot) -> int:
-        """Queue ``tensor``'s record for ``slot``; returns the slot's index."""
-        device = tensor.device
-        if device != self._device:
-            self.flush()
-            self._device = device
-        self._queued.append(tensor)
-        self.slots.append(slot)
-        if tensor.is_inference():  # no version counter to check: summarize it now
-            self._versions.append(None)
-            self.flush()
-            return len(self.slots) - 1
-        self._versions.append(tensor._version)
-        self._bytes += tensor.numel() * tensor.element_size()
-        if len(self._queued) >= BATCH or self._bytes >= BATCH_BYTES:
-            self.flush()
-        return len(self.slots) - 1
-
-    def add_block(self, rows: torch.Tensor, block: "Block", n: int) -> None:
-        """A :class:`Block` of ``n`` rows whose records were computed already (``rows``)."""
-        if not n:
-            return
-        self.flush()
-        block.start = len(self.slots)
-        self.blocks.append(rows)
-        self.slots.extend([block] * n)
-
-    def flush(self) -> None:
-        """Summarize the queued tensors (one launch group)."""
-        queued = self._queued
-        if not queued:
-            return
-        first = len(self.slots) - len(queued)
-        for k, (t, version) in enumerate(zip(queued, self._versions)):
-            # Changed in place since its hook: the record would be of a later value.
-            if version is not None and t._version != version:
-                slot = self.slots[first + k]
-                slot.stale = True
-                if self._on_stale is not None:
-                    self._on_stale(slot)
-        self.blocks.append(self._summarize_many(queued))
-        self._queued, self._versions, self._bytes = [], [], 0
-
-    def take(self):
-        """Everything recorded so far, ``(slots, records [n, RECORD_SIZE] or None)``, and start afresh."""
-        self.flush()
-        slots, blocks = self.slots, self.blocks
-        self.slots, self.blocks, self._device = [], [], None
-        if not blocks:
-            return slots, None
-        device = blocks[0].device
-        blocks = [b if b.device == device else b.to(device, non_blocking=True) for b in blocks]
-        return slots, (torch.cat(blocks) if len(blocks) > 1 else blocks[0])
 
 
 class Block:
@@ -160,7 +87,7 @@ class Block:
 
 class GradBlock(Block):
     """Gradients flowing into module outputs, received by the C++ backward tap
-    (``csrc/monitor/grad_sink.cpp``) and summarized there in batches: ``indices[k]`` is the slot
+    (``csrc/monitor/grad_sink.h``) and summarized there in batches: ``indices[k]`` is the slot
     (in ``window``) of the output whose gradient row k is."""
 
     def __init__(self, step, window, indices, stale, dtypes, shapes):
@@ -169,11 +96,80 @@ class GradBlock(Block):
 
     def slot(self, index: int) -> Slot:
         k = index - self.start
-        forward = self.window[self.indices[k]]
+        forward = at(self.window, self.indices[k])
         slot = Slot(self.step, "backward", "grad", f"{forward.name} (output grad)", self.dtypes[k], self.shapes[k],
                     (), True, forward.owner)
         slot.grad_of, slot.stale = self.indices[k], self.stale_rows[k]
         return slot
+
+
+class Call:
+    """One recorded module call, as attribution sees it: the module and the entries of its outputs."""
+
+    __slots__ = ("info", "outputs")
+
+    def __init__(self, info, outputs):
+        self.info, self.outputs = info, outputs
+
+
+# Row kinds of csrc/monitor/recorder.cpp.
+OUTPUT, BODY, BATCH_INPUT, MODEL_LOSS = 0, 1, 2, 3
+
+
+class EagerRows(Block):
+    """The rows the C++ hooks recorded in one window (``rows``: a :class:`nanscan._C.Rows`):
+
+    * a module's output: named ``module`` + where it sits in the output (``"[1]"``, ``".logits"``);
+      its inputs are the module's inputs;
+    * a value made in a module's own body (an input of a child that no record explains): named
+      after that module, from its inputs;
+    * the batch (inputs of the outermost call): ``"<module>.input[0]"``, for attribution only;
+    * a loss the model returned itself (``output["loss"]``): phase and kind ``"loss"``, from the
+      model's inputs and other outputs.
+
+    ``consumers`` are the calls that took the value as an input (:class:`Call`)."""
+
+    def __init__(self, rows, infos):
+        super().__init__(None, None, "activation", None, None, None)
+        self.rows, self.infos = rows, infos
+        self._loss_entries = self._steps = None
+
+    @property
+    def loss_entries(self) -> frozenset:
+        """Entries of the losses the model returned itself (asked by the step log)."""
+        if self._loss_entries is None:
+            self._loss_entries = frozenset(self.rows.loss_entries())
+        return self._loss_entries
+
+    @property
+    def steps(self) -> tuple:
+        """The steps the rows were recorded in, ascending."""
+        if self._steps is None:
+            self._steps = tuple(self.rows.steps())
+        return self._steps
+
+    def slot(self, index: int) -> Slot:
+        kind, info, label, step, phase, dtype, shape, inputs, candidate, consumers, grad, stale = self.rows.row(index)
+        module = self.infos[info]
+        owner = module
+        if kind == OUTPUT:
+            name = module.name + label
+        elif kind == BODY:
+            name = module.name
+        elif kind == BATCH_INPUT:
+            name, owner = f"{module.name}.{label}", None
+        else:
+            name = "loss"
+        slot = Slot(step, phase, "loss" if kind == MODEL_LOSS else "activation", name, dtype, shape, inputs, candidate,
+                    owner)
+        slot.late = not candidate and kind in (OUTPUT, MODEL_LOSS)
+        slot.consumers = [self._call(f) for f in consumers] or None
+        slot.grad, slot.stale = grad, stale
+        return slot
+
+    def _call(self, frame: int) -> Call:
+        info, outputs = self.rows.frame(frame)
+        return Call(self.infos[info], outputs)
 
 
 def at(slots: list, index: int) -> Slot:

@@ -22,6 +22,7 @@ import warnings
 from typing import Optional
 
 from nanscan.monitor.incident import PHASES
+from nanscan.monitor.slots import EagerRows
 from nanscan.record import Field
 
 
@@ -42,8 +43,18 @@ class StepLog:
                                             "nonfinite": dict.fromkeys(PHASES, 0), "ended": False, "read": False})
 
     def observe(self, slots, values, nonfinite) -> None:
-        """Fold one decoded read into its steps."""
-        for s, v, bad in zip(slots, values, nonfinite):
+        """Fold one decoded read into its steps. (The hooks' rows are looked at only where they
+        matter here -- non-finite, or the model's own loss -- : making a Slot of each costs more
+        than the rest of the read.)"""
+        for rows in {id(s): s for s in slots if type(s) is EagerRows}.values():
+            for step in rows.steps:
+                if step > self.written:
+                    self._entry(step)["read"] = True
+        for i, (s, v, bad) in enumerate(zip(slots, values, nonfinite)):
+            if type(s) is EagerRows:
+                if not bad and i not in s.loss_entries:
+                    continue
+                s = s.slot(i)
             if s.step <= self.written:  # already written (a late record; incidents are logged on their own)
                 continue
             e = self._entry(s.step)

@@ -1,11 +1,13 @@
-// The monitor's backward tap in C++: a pre-hook on the autograd node that made a recorded module
-// output receives the gradient flowing into that output and queues it in a GradSink, which
-// summarizes queued gradients in batches with nanscan::summarize_many. No Python runs in the
-// backward, and registering the hook costs a C++ call instead of a Python hook object per output
-// per step (nanscan/monitor/eager.py falls back to Python hooks where this module is missing).
+// The monitor's backward tap: a pre-hook on the autograd node that made a recorded module output
+// receives the gradient flowing into that output and queues it in a GradSink, which summarizes
+// queued gradients in batches (nanscan::summarize_many through the dispatcher, or the Python
+// callable of another kernel backend). No Python runs in the backward with the default kernels,
+// and registering the hook costs a C++ call instead of a Python hook object per output per step.
 //
-// Python API (module nanscan._C, the same shared library as the ops):
-//   sink = GradSink(batch, bytes)   summarizes every `batch` gradients or `bytes` of them
+// Python API (module nanscan._C):
+//   sink = GradSink(batch, bytes, summarize=None)  summarizes every `batch` gradients or `bytes`
+//                                   of them; summarize: a Python callable list -> [k, RECORD_SIZE]
+//                                   (None: the nanscan::summarize_many op)
 //   sink.generation                 hooks of an older generation do nothing
 //   tap(tensor, sink, index)        hook tensor.grad_fn (no-op for a leaf); index: the output's slot
 //   len(sink)                       gradients received since the last take()
@@ -13,6 +15,8 @@
 //       indices: slot index per gradient, in the order autograd produced them; records: list of
 //       [k, RECORD_SIZE] tensors (in order); stale: gradient changed in place before it was
 //       summarized; dtypes: torch.dtype; shapes: tuples.
+#pragma once
+
 #include <torch/extension.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -23,9 +27,30 @@
 
 namespace nanscan {
 
+// The default kernels' summarize_many, or `summarize` (a Python callable) for another backend.
+inline at::Tensor summarize_many_with(const py::object& summarize, const std::vector<at::Tensor>& xs) {
+  if (!summarize || summarize.is_none()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("nanscan::summarize_many", "")
+                         .typed<at::Tensor(at::TensorList)>();
+    return op.call(xs);
+  }
+  py::gil_scoped_acquire gil;
+  return summarize(py::cast(xs)).cast<at::Tensor>();
+}
+
 class GradSink {
  public:
-  GradSink(int64_t batch, int64_t batch_bytes) : batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes) {}
+  GradSink(int64_t batch, int64_t batch_bytes, py::object summarize)
+      : batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes),
+        summarize_(summarize.is_none() ? py::object() : std::move(summarize)) {}
+
+  ~GradSink() {
+    if (summarize_) {  // a Python object: released with the GIL held
+      py::gil_scoped_acquire gil;
+      summarize_ = py::object();
+    }
+  }
 
   int64_t generation = 0;
 
@@ -40,6 +65,9 @@ class GradSink {
   }
 
   int64_t size() {
+    // (The GIL is released while waiting for the lock: a backward thread holding the lock may
+    // need the GIL to summarize with a Python backend.)
+    py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(index_.size() + pending_index_.size());
   }
@@ -51,6 +79,7 @@ class GradSink {
     std::vector<at::ScalarType> dtypes;
     std::vector<std::vector<int64_t>> shapes;
     {
+      py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       flush_locked();
       index.swap(index_);
@@ -76,10 +105,7 @@ class GradSink {
       dtypes_.push_back(g.scalar_type());
       shapes_.push_back(g.sizes().vec());
     }
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("nanscan::summarize_many", "")
-                         .typed<at::Tensor(at::TensorList)>();
-    records_.push_back(op.call(pending_));
+    records_.push_back(summarize_many_with(summarize_, pending_));
     index_.insert(index_.end(), pending_index_.begin(), pending_index_.end());
     pending_.clear();
     pending_index_.clear();
@@ -88,6 +114,7 @@ class GradSink {
   }
 
   int64_t batch_, batch_bytes_, pending_bytes_ = 0;
+  py::object summarize_;
   std::mutex mu_;
   std::vector<at::Tensor> pending_;
   std::vector<int64_t> pending_index_, pending_version_;
@@ -120,19 +147,10 @@ struct RecordGrad : torch::autograd::FunctionPreHook {
   int64_t index_, output_nr_, generation_;
 };
 
-void tap(const at::Tensor& tensor, const std::shared_ptr<GradSink>& sink, int64_t index) {
+inline void tap(const at::Tensor& tensor, const std::shared_ptr<GradSink>& sink, int64_t index) {
   const auto& node = tensor.grad_fn();
   if (!node) return;
   node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, tensor.output_nr(), sink->generation));
 }
 
 }  // namespace nanscan
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<nanscan::GradSink, std::shared_ptr<nanscan::GradSink>>(m, "GradSink")
-      .def(py::init<int64_t, int64_t>())
-      .def_readwrite("generation", &nanscan::GradSink::generation)
-      .def("__len__", &nanscan::GradSink::size)
-      .def("take", &nanscan::GradSink::take);
-  m.def("tap", &nanscan::tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
-}

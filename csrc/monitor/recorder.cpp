@@ -1,0 +1,628 @@
+// The monitor's eager forward hooks in C++, and the read window they record into.
+//
+// Why C++: on a GPU the host's Python time is on the critical path of every step, and a watched
+// module costs a forward pre-hook and a forward hook per call. The Python hooks that did the work
+// below (walk the inputs and outputs, look tensors up in an identity map, make a record object,
+// queue the tensor, tap its gradient) cost ~19 us per module per step on the host-bound benchmark
+// against ~3.4 us for two no-op Python hooks (benchmarks/host_cost.py). Here the Python hook is a
+// two-line wrapper (dynamo must see Python to trace the compiled path: nanscan/monitor/traced.py)
+// that calls Hooks.pre / Hooks.post, and a record is a C++ Row: the Python Slot object that
+// attribution reads is made only when a read is decoded and asks for that row.
+//
+// Semantics (the same as the Python implementation they replace, nanscan/monitor/eager.py says what
+// is recorded and why): per module call a Frame (its input and output entries); per floating or
+// complex tensor in a module's outputs a Row, unless the tensor is one of the module's inputs or a
+// child's output returned unchanged (identity map keyed by TensorImpl, checked with a weak
+// reference and the version counter); per input that no earlier record explains a Row named
+// after the running parent (a value made in the parent's own body) or, with no parent, the batch.
+//
+// Python API (module nanscan._C):
+//   Window(marker, make_rows, summarize, on_stale)  one read window (forward or eval)
+//     add(tensor, slot) -> entry      a Python Slot record (loss, optimizer state)
+//     add_block(records, block, n)    n rows summarized already (parameters, buffers)
+//     flush(), len(window), window.generation
+//     take() -> (entries, records or None, rows or None): entries in production order (Python
+//       Slot / Block objects; C++ rows appear as make_rows(rows)), their [n, RECORD_SIZE]
+//       records, and the Rows of the window
+//   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
+//       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
+//       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
+//   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
+//     pre(info, module, args, kwargs), post(info, module, args, kwargs, output)
+//     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
+//     owner.model_loss(output) are called back for the rare events
+#include "grad_sink.h"
+
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace nanscan {
+
+enum RowKind : uint8_t { kOutput = 0, kBody = 1, kBatch = 2, kLoss = 3 };
+enum Phase : uint8_t { kNone = 0, kForward = 1, kEval = 2 };
+
+// One record made by the hooks. Its inputs are those of `frame` (a module output, the loss: the
+// module's own call; a body value: the running parent's call); a batch row has none.
+struct Row {
+  uint8_t kind = kOutput;
+  uint8_t phase = kForward;
+  bool candidate = true;  // false: recorded for attribution only (the batch; the root after a compiled forward)
+  bool stale = false;     // changed in place before it was summarized
+  int32_t info = -1;      // the module named (and owner): a body value's parent, the batch's first consumer
+  int32_t frame = -1;
+  int32_t grad = -1;      // entry of the gradient flowing into it, once read
+  int64_t step = 0;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  std::string label;  // where in the outputs / inputs: "", "[1]", ".loss", "input[0]" ...
+  std::vector<int32_t> consumers;  // frames that took it as an input
+};
+
+struct Frame {
+  int32_t info;
+  std::vector<int32_t> inputs, outputs;
+};
+
+struct Known {
+  c10::weak_intrusive_ptr<c10::TensorImpl> ref;  // (keeps the address from being reused while held)
+  int64_t version;  // -1: an inference tensor (no version counter)
+  int32_t entry;
+};
+
+const char* phase_name(uint8_t phase) { return phase == kEval ? "eval" : "forward"; }
+
+py::object dtype_object(at::ScalarType d) {  // torch.dtype objects are static: borrowed
+  return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(d)));
+}
+
+py::tuple int_tuple(const std::vector<int32_t>& xs) {
+  py::tuple out(xs.size());
+  for (size_t i = 0; i < xs.size(); ++i) out[i] = py::int_(xs[i]);
+  return out;
+}
+
+// The rows of one read window, kept for decoding after the window was taken.
+struct Rows {
+  std::vector<Row> rows;
+  std::vector<Frame> frames;
+  std::vector<int32_t> row_of;      // entry -> row, -1 for an entry that is a Python object
+  std::vector<int32_t> last_frame;  // info -> frame of its last call in the window, -1 if none
+
+  const Row& row_at(int64_t entry) const {
+    TORCH_CHECK(entry >= 0 && entry < static_cast<int64_t>(row_of.size()) && row_of[entry] >= 0,
+                "nanscan: entry ", entry, " is not a hook record");
+    return rows[row_of[entry]];
+  }
+
+  py::tuple row(int64_t entry) const {
+    const Row& r = row_at(entry);
+    std::vector<int32_t> inputs;
+    if (r.frame >= 0) {
+      const Frame& f = frames[r.frame];
+      inputs = f.inputs;
+      if (r.kind == kLoss) {  // the model's loss: from its inputs and its other outputs
+        for (int32_t o : f.outputs) {
+          if (o != entry) inputs.push_back(o);
+        }
+      }
+    }
+    py::list consumers;
+    for (int32_t c : r.consumers) consumers.append(c);
+    return py::make_tuple(static_cast<int>(r.kind), r.info, r.label, r.step,
+                          r.kind == kLoss ? "loss" : phase_name(r.phase), dtype_object(r.dtype),
+                          py::tuple(py::cast(r.shape)), int_tuple(inputs), r.candidate, consumers,
+                          r.grad < 0 ? py::object(py::none()) : py::object(py::int_(r.grad)), r.stale);
+  }
+
+  py::tuple frame(int64_t f) const {
+    TORCH_CHECK(f >= 0 && f < static_cast<int64_t>(frames.size()), "nanscan: no frame ", f);
+    return py::make_tuple(frames[f].info, int_tuple(frames[f].outputs));
+  }
+
+  std::vector<int64_t> steps() const {  // the steps of the rows, ascending
+    std::vector<int64_t> out;
+    for (const Row& r : rows) out.push_back(r.step);
+    std::sort(out.begin(), out.end());
+    out.erase(std::unique(out.begin(), out.end()), out.end());
+    return out;
+  }
+
+  std::vector<int64_t> loss_entries() const {
+    std::vector<int64_t> out;
+    for (size_t e = 0; e < row_of.size(); ++e) {
+      if (row_of[e] >= 0 && rows[row_of[e]].kind == kLoss) out.push_back(static_cast<int64_t>(e));
+    }
+    return out;
+  }
+
+  void set_grads(const std::vector<int64_t>& entries, int64_t start) {
+    for (size_t k = 0; k < entries.size(); ++k) {
+      int64_t e = entries[k];
+      if (e >= 0 && e < static_cast<int64_t>(row_of.size()) && row_of[e] >= 0) {
+        rows[row_of[e]].grad = static_cast<int32_t>(start + static_cast<int64_t>(k));
+      }
+    }
+  }
+
+  // What a parameter gradient of module `info` was computed from: the gradients of the module's
+  // outputs (those read) and its forward inputs, in its last call of the window.
+  py::tuple weight_inputs(int64_t info) const {
+    if (info < 0 || info >= static_cast<int64_t>(last_frame.size()) || last_frame[info] < 0) return py::tuple();
+    const Frame& f = frames[last_frame[info]];
+    std::vector<int32_t> out;
+    for (int32_t o : f.outputs) {
+      if (row_of[o] >= 0 && rows[row_of[o]].grad >= 0) out.push_back(rows[row_of[o]].grad);
+    }
+    out.insert(out.end(), f.inputs.begin(), f.inputs.end());
+    return int_tuple(out);
+  }
+};
+
+// One read window: the entries in production order and their records, summarized in batches
+// (see nanscan/monitor/slots.py for why batches are safe: version counters mark a record stale).
+class Window {
+ public:
+  Window(py::object marker, py::object make_rows, py::object summarize, py::object on_stale, int64_t n_infos,
+         int64_t batch, int64_t batch_bytes)
+      : marker_(std::move(marker)), make_rows_(std::move(make_rows)),
+        summarize_(summarize.is_none() ? py::object() : std::move(summarize)), on_stale_(std::move(on_stale)),
+        n_infos_(n_infos), batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes) {
+    rows_.last_frame.assign(n_infos_, -1);
+  }
+
+  int64_t generation = 0;
+  std::shared_ptr<std::vector<uint8_t>> eager;  // per module: never batch its records (set by Hooks)
+  Rows rows_;
+
+  int64_t size() const { return static_cast<int64_t>(PyList_GET_SIZE(entries_.ptr())); }
+
+  int64_t add_py(const at::Tensor& t, py::object slot) {
+    before_add(t);
+    entries_.append(std::move(slot));
+    rows_.row_of.push_back(-1);
+    return after_add(t);
+  }
+
+  int64_t add_row(const at::Tensor& t, Row&& row) {
+    before_add(t);
+    entries_.append(marker_);
+    rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
+    rows_.rows.push_back(std::move(row));
+    return after_add(t);
+  }
+
+  void add_block(const at::Tensor& records, py::object block, int64_t n) {
+    if (n <= 0) return;
+    flush();
+    block.attr("start") = size();
+    blocks_.push_back(records);
+    for (int64_t k = 0; k < n; ++k) {
+      entries_.append(block);
+      rows_.row_of.push_back(-1);
+    }
+  }
+
+  void flush() {
+    if (queued_.empty()) return;
+    int64_t first = size() - static_cast<int64_t>(queued_.size());
+    for (size_t k = 0; k < queued_.size(); ++k) {
+      // Changed in place since its hook: the record would be of a later value.
+      if (versions_[k] >= 0 && static_cast<int64_t>(queued_[k]._version()) != versions_[k]) {
+        int64_t entry = first + static_cast<int64_t>(k);
+        int32_t r = rows_.row_of[entry];
+        if (r >= 0) {
+          rows_.rows[r].stale = true;
+          if (eager && rows_.rows[r].info >= 0) (*eager)[rows_.rows[r].info] = 1;
+        } else {
+          py::object slot = entries_[entry];
+          slot.attr("stale") = true;
+          if (!on_stale_.is_none()) on_stale_(slot);
+        }
+      }
+    }
+    blocks_.push_back(summarize_many_with(summarize_, queued_));
+    queued_.clear();
+    versions_.clear();
+    bytes_ = 0;
+  }
+
+  py::tuple take() {
+    flush();
+    py::list entries = entries_;
+    entries_ = py::list();
+    auto rows = std::make_shared<Rows>(std::move(rows_));
+    rows_ = Rows();
+    rows_.last_frame.assign(n_infos_, -1);
+    known_.clear();
+    has_device_ = false;
+    ++generation;
+    py::object proxy = py::none();
+    if (!rows->rows.empty()) {
+      proxy = make_rows_(rows);
+      PyObject* marker = marker_.ptr();
+      for (Py_ssize_t i = 0, n = PyList_GET_SIZE(entries.ptr()); i < n; ++i) {
+        if (PyList_GET_ITEM(entries.ptr(), i) == marker) {
+          Py_INCREF(proxy.ptr());
+          PyList_SetItem(entries.ptr(), i, proxy.ptr());  // (steals the reference, releases the marker)
+        }
+      }
+    }
+    py::object records = py::none();
+    if (!blocks_.empty()) {
+      auto device = blocks_[0].device();
+      for (auto& b : blocks_) {
+        if (b.device() != device) b = b.to(device, /*non_blocking=*/true);
+      }
+      records = py::cast(blocks_.size() > 1 ? at::cat(blocks_) : blocks_[0]);
+      blocks_.clear();
+    }
+    return py::make_tuple(entries, records, proxy);
+  }
+
+  // The entry a live tensor was recorded at in this window (same object, same version), or -1.
+  int32_t lookup(const at::Tensor& t) const {
+    auto it = known_.find(t.unsafeGetTensorImpl());
+    if (it == known_.end() || it->second.ref.expired()) return -1;
+    const Known& k = it->second;
+    if (k.version >= 0 && (t.is_inference() || static_cast<int64_t>(t._version()) != k.version)) return -1;
+    return k.entry;
+  }
+
+  void remember(const at::Tensor& t, int32_t entry) {
+    known_.insert_or_assign(t.unsafeGetTensorImpl(),
+                            Known{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                                  t.is_inference() ? -1 : static_cast<int64_t>(t._version()), entry});
+  }
+
+ private:
+  void before_add(const at::Tensor& t) {
+    if (has_device_ && t.device() != device_) flush();
+    device_ = t.device();
+    has_device_ = true;
+  }
+
+  int64_t after_add(const at::Tensor& t) {
+    int64_t entry = size() - 1;
+    queued_.push_back(t);
+    if (t.is_inference()) {  // no version counter to check: summarize it now
+      versions_.push_back(-1);
+      flush();
+      return entry;
+    }
+    versions_.push_back(static_cast<int64_t>(t._version()));
+    bytes_ += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    if (static_cast<int64_t>(queued_.size()) >= batch_ || bytes_ >= batch_bytes_) flush();
+    return entry;
+  }
+
+  py::object marker_, make_rows_, summarize_, on_stale_;
+  int64_t n_infos_, batch_, batch_bytes_;
+  py::list entries_;
+  std::unordered_map<c10::TensorImpl*, Known> known_;
+  std::vector<at::Tensor> queued_, blocks_;
+  std::vector<int64_t> versions_;
+  int64_t bytes_ = 0;
+  c10::Device device_{c10::kCPU};
+  bool has_device_ = false;
+};
+
+using Found = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
+// such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
+void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 0) {
+  if (THPVariable_Check(value)) {
+    const at::Tensor& t = THPVariable_Unpack(value);
+    if (t.is_floating_point() || t.is_complex()) out.emplace_back(prefix, t);
+    return;
+  }
+  if (depth > 32 || value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
+      PyBytes_Check(value)) {
+    return;
+  }
+  if (PyTuple_Check(value)) {
+    for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(value); i < n; ++i) {
+      gather(PyTuple_GET_ITEM(value, i), prefix + "[" + std::to_string(i) + "]", out, depth + 1);
+    }
+    return;
+  }
+  if (PyList_Check(value)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) {
+      gather(PyList_GET_ITEM(value, i), prefix + "[" + std::to_string(i) + "]", out, depth + 1);
+    }
+    return;
+  }
+  if (PyDict_CheckExact(value)) {
+    PyObject *key, *item;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(value, &pos, &key, &item)) {
+      gather(item, prefix + "." + py::str(key).cast<std::string>(), out, depth + 1);
+    }
+    return;
+  }
+  // Dict subclasses (ModelOutput is an OrderedDict) and other mappings: their own items().
+  if (PyDict_Check(value) || (PyObject_HasAttrString(value, "items") && PyObject_HasAttrString(value, "keys"))) {
+    py::object items = py::reinterpret_borrow<py::object>(value).attr("items")();
+    for (py::handle kv : items) {
+      py::tuple pair = py::reinterpret_borrow<py::tuple>(kv);
+      py::object key = pair[0], item = pair[1];
+      gather(item.ptr(), prefix + "." + py::str(key).cast<std::string>(), out, depth + 1);
+    }
+  }
+}
+
+struct Info {
+  std::string name;
+  py::object module_ref;  // weakref.ref(module): a copy of the model (deepcopy, EMA) carries the hooks
+  bool is_root, inplace;
+};
+
+struct StackEntry {
+  int32_t frame;  // -1: a call that is not recorded
+  const Window* window;  // the frame's window, in its generation
+  int64_t generation;
+};
+
+class Hooks {
+ public:
+  Hooks(std::vector<std::string> names, py::list module_refs, std::vector<bool> is_root, std::vector<bool> inplace,
+        std::shared_ptr<Window> forward, std::shared_ptr<Window> eval, std::shared_ptr<GradSink> sink,
+        py::object owner)
+      : forward_(std::move(forward)), eval_(std::move(eval)), sink_(std::move(sink)), owner_(std::move(owner)) {
+    TORCH_CHECK(names.size() == module_refs.size() && names.size() == is_root.size() &&
+                    names.size() == inplace.size(), "nanscan: Hooks needs one name, module, root and inplace flag per module");
+    for (size_t i = 0; i < names.size(); ++i) {
+      infos_.push_back(Info{names[i], module_refs[i], static_cast<bool>(is_root[i]), static_cast<bool>(inplace[i])});
+    }
+    eager_ = std::make_shared<std::vector<uint8_t>>(names.size(), 0);
+    forward_->eager = eager_;
+    eval_->eager = eager_;
+  }
+
+  bool record_grads = false;
+  bool root_late = false;  // the root's outputs come after a compiled forward's rows: attribution only
+
+  void pre(int64_t idx, py::handle module, py::handle args, py::handle kwargs) {
+    const Info& info = infos_.at(idx);
+    if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;  // a copy of the model
+    if (torch::autograd::get_current_graph_task_id() != -1) {  // recomputed inside a backward (checkpointing)
+      stack_.push_back({-1, nullptr, 0});
+      return;
+    }
+    if (stack_.empty() || info.is_root) {
+      stack_.clear();  // (frames a forward that raised left behind)
+      begin(idx, args, kwargs);
+    }
+    if (phase_ == kNone) {
+      stack_.push_back({-1, nullptr, 0});
+      return;
+    }
+    Window& w = window();
+    Found found;
+    gather(args.ptr(), "input", found);
+    if (kwargs.ptr() != nullptr && kwargs.ptr() != Py_None && PyDict_Size(kwargs.ptr()) > 0) {
+      gather(kwargs.ptr(), "input", found);
+    }
+    const int32_t fid = static_cast<int32_t>(w.rows_.frames.size());
+    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}});
+    const StackEntry* parent =
+        (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
+         stack_.back().generation == w.generation) ? &stack_.back()
+                                                                                                   : nullptr;
+    for (auto& [label, t] : found) {
+      int32_t entry = w.lookup(t);
+      if (entry >= 0) {
+        int32_t r = w.rows_.row_of[entry];
+        if (r >= 0) w.rows_.rows[r].consumers.push_back(fid);
+      } else {
+        Row row;
+        row.phase = phase_;
+        row.step = step_;
+        row.dtype = t.scalar_type();
+        row.shape = t.sizes().vec();
+        if (parent != nullptr) {  // made by an op in the parent's own body
+          row.kind = kBody;
+          row.frame = parent->frame;
+          row.info = w.rows_.frames[parent->frame].info;
+        } else {  // the batch: recorded for attribution only
+          row.kind = kBatch;
+          row.info = static_cast<int32_t>(idx);
+          row.candidate = false;
+          row.label = label;
+        }
+        row.consumers.push_back(fid);
+        entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
+        w.remember(t, entry);
+      }
+      w.rows_.frames[fid].inputs.push_back(entry);
+    }
+    if (info.inplace && !found.empty()) w.flush();
+    stack_.push_back({fid, &w, w.generation});
+  }
+
+  void post(int64_t idx, py::handle module, py::handle /*args*/, py::handle /*kwargs*/, py::handle output) {
+    const Info& info = infos_.at(idx);
+    if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;
+    if (stack_.empty()) return;
+    StackEntry top = stack_.back();
+    stack_.pop_back();
+    if (top.frame < 0) return;  // a call that is not recorded
+    Window& w = window();
+    if (top.window != &w || top.generation != w.generation || w.rows_.frames[top.frame].info != idx) {
+      stack_.clear();  // out of step: a forward raised and left its frames behind
+      return;
+    }
+    Found found;
+    gather(output.ptr(), "", found);
+    const bool candidate = !(info.is_root && root_late);
+    const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
+    std::vector<int32_t> outputs;
+    bool made_loss = false;
+    for (auto& [label, t] : found) {
+      int32_t entry = w.lookup(t);
+      if (entry >= 0) {  // an input or a child's output, returned unchanged
+        outputs.push_back(entry);
+        continue;
+      }
+      Row row;
+      row.kind = kOutput;
+      row.phase = phase_;
+      row.step = step_;
+      row.candidate = candidate;
+      row.info = static_cast<int32_t>(idx);
+      row.frame = top.frame;
+      row.dtype = t.scalar_type();
+      row.shape = t.sizes().vec();
+      if (info.is_root && phase_ == kForward && label == ".loss") {  // HF-style: the model returns its loss
+        row.kind = kLoss;
+        made_loss = true;
+      }
+      row.label = std::move(label);
+      entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
+      w.remember(t, entry);
+      if (tap_grads) tap(t, sink_, entry);
+      outputs.push_back(entry);
+    }
+    w.rows_.frames[top.frame].outputs = outputs;
+    w.rows_.last_frame[idx] = top.frame;
+    if (made_loss) owner_.attr("model_loss")(output);
+    if ((*eager_)[idx]) w.flush();
+    if (stack_.empty()) {  // the forward ends: summarize before the loop can edit its tensors in place
+      w.flush();
+      if (info.is_root) root_outputs_ = outputs;
+      owner_.attr("forward_ends")(idx);
+    }
+  }
+
+  void reset() { stack_.clear(); }
+
+  void release() { owner_ = py::none(); }
+
+  py::object phase() const { return phase_ == kNone ? py::object(py::none()) : py::object(py::str(phase_name(phase_))); }
+
+  py::tuple root_outputs() const { return int_tuple(root_outputs_); }
+
+ private:
+  Window& window() { return phase_ == kEval ? *eval_ : *forward_; }
+
+  // An outermost watched call starts: the monitor decides the phase and the step (None: not recorded).
+  void begin(int64_t idx, py::handle args, py::handle kwargs) {
+    phase_ = kNone;
+    if (owner_.is_none()) return;
+    py::object decided = owner_.attr("begin")(idx, args, kwargs);
+    if (decided.is_none()) return;
+    py::tuple pair = decided.cast<py::tuple>();
+    phase_ = pair[0].cast<std::string>() == "eval" ? kEval : kForward;
+    step_ = pair[1].cast<int64_t>();
+  }
+
+  std::vector<Info> infos_;
+  std::shared_ptr<std::vector<uint8_t>> eager_;
+  std::shared_ptr<Window> forward_, eval_;
+  std::shared_ptr<GradSink> sink_;
+  py::object owner_;
+  std::vector<StackEntry> stack_;
+  std::vector<int32_t> root_outputs_;
+  uint8_t phase_ = kNone;
+  int64_t step_ = 0;
+};
+
+// Hooks.pre / Hooks.post as plain METH_FASTCALL functions bound to one Hooks object: called for
+// every module call, where pybind11's argument dispatch would cost as much as the work itself.
+template <bool kPre>
+PyObject* fast_hook(PyObject* capsule, PyObject* const* args, Py_ssize_t nargs) {
+  auto* hooks = static_cast<std::shared_ptr<Hooks>*>(PyCapsule_GetPointer(capsule, "nanscan.Hooks"));
+  if (hooks == nullptr) return nullptr;
+  if (nargs != (kPre ? 4 : 5)) {
+    PyErr_Format(PyExc_TypeError, "nanscan hook: expected %d arguments (index, module, args, kwargs%s), got %zd",
+                 kPre ? 4 : 5, kPre ? "" : ", output", nargs);
+    return nullptr;
+  }
+  const long long index = PyLong_AsLongLong(args[0]);
+  if (index == -1 && PyErr_Occurred()) return nullptr;
+  try {
+    if constexpr (kPre) {
+      (*hooks)->pre(index, args[1], args[2], args[3]);
+    } else {
+      (*hooks)->post(index, args[1], args[2], args[3], args[4]);
+    }
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kPreDef = {"pre", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_hook<true>)),
+                       METH_FASTCALL, "pre(index, module, args, kwargs): a module call begins"};
+PyMethodDef kPostDef = {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fast_hook<false>)),
+                        METH_FASTCALL, "post(index, module, args, kwargs, output): a module call ended"};
+
+// (pre, post) callables of `hooks`; they keep it alive.
+py::tuple fast_hooks(const std::shared_ptr<Hooks>& hooks) {
+  auto make = [&](PyMethodDef* def) {
+    py::capsule capsule(new std::shared_ptr<Hooks>(hooks), "nanscan.Hooks", [](PyObject* c) {
+      delete static_cast<std::shared_ptr<Hooks>*>(PyCapsule_GetPointer(c, "nanscan.Hooks"));
+    });
+    PyObject* fn = PyCFunction_New(def, capsule.ptr());
+    if (fn == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(fn);
+  };
+  return py::make_tuple(make(&kPreDef), make(&kPostDef));
+}
+
+}  // namespace nanscan
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace nanscan;
+  py::class_<GradSink, std::shared_ptr<GradSink>>(m, "GradSink")
+      .def(py::init<int64_t, int64_t, py::object>(), py::arg("batch"), py::arg("batch_bytes"),
+           py::arg("summarize") = py::none())
+      .def_readwrite("generation", &GradSink::generation)
+      .def("__len__", &GradSink::size)
+      .def("take", &GradSink::take);
+  m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
+
+  py::class_<Rows, std::shared_ptr<Rows>>(m, "Rows")
+      .def("row", &Rows::row)
+      .def("frame", &Rows::frame)
+      .def("set_grads", &Rows::set_grads)
+      .def("steps", &Rows::steps)
+      .def("loss_entries", &Rows::loss_entries)
+      .def("weight_inputs", &Rows::weight_inputs)
+      .def("__len__", [](const Rows& r) { return r.rows.size(); });
+
+  py::class_<Window, std::shared_ptr<Window>>(m, "Window")
+      .def(py::init<py::object, py::object, py::object, py::object, int64_t, int64_t, int64_t>(), py::arg("marker"),
+           py::arg("make_rows"), py::arg("summarize"), py::arg("on_stale"), py::arg("n_infos"), py::arg("batch"),
+           py::arg("batch_bytes"))
+      .def("add", &Window::add_py)
+      .def("add_block", &Window::add_block)
+      .def("flush", &Window::flush)
+      .def("take", &Window::take)
+      .def("__len__", &Window::size)
+      .def_readonly("generation", &Window::generation);
+
+  py::class_<Hooks, std::shared_ptr<Hooks>>(m, "Hooks")
+      .def(py::init<std::vector<std::string>, py::list, std::vector<bool>, std::vector<bool>, std::shared_ptr<Window>,
+                    std::shared_ptr<Window>, std::shared_ptr<GradSink>, py::object>())
+      .def("pre", &Hooks::pre)
+      .def("post", &Hooks::post)
+      .def("fast_hooks", [](const std::shared_ptr<Hooks>& self) { return fast_hooks(self); },
+           "(pre, post) with the same arguments, as plain functions (no pybind11 dispatch per call)")
+      .def("reset", &Hooks::reset)
+      .def("release", &Hooks::release)
+      .def_property_readonly("phase", &Hooks::phase)
+      .def_property_readonly("root_outputs", &Hooks::root_outputs)
+      .def_readwrite("record_grads", &Hooks::record_grads)
+      .def_readwrite("root_late", &Hooks::root_late);
+}
