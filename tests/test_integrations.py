@@ -59,3 +59,30 @@ def test_hf_trainer_callback_names_the_planted_fault(tmp_path):
     inc = err.value.incident
     assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (
         1, "forward", "transformer.h.0.mlp.c_fc", "activation", True)
+
+
+def test_accelerate_recipe_from_the_readme():
+    # README, "Accelerate": watch the unwrapped model, the torch optimizer inside accelerate's
+    # wrapper and accelerate's GradScaler (None without fp16), after accelerator.prepare.
+    accelerate = pytest.importorskip("accelerate")
+    from torch import nn
+
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
+    mon = nanscan.watch(accelerator.unwrap_model(model), optimizer.optimizer, accelerator.scaler)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for step, (x, y) in enumerate(loader):
+            if step == 3:
+                with torch.no_grad():
+                    accelerator.unwrap_model(model)[2].weight[0, 0] = float("nan")
+            loss = (model(x) - y).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (3, "forward", "2", "activation", True)
+    assert mon.ledger.applied == 3

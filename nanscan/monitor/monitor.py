@@ -26,7 +26,9 @@ Reads. Records stay on the device. A checked step is read once, with one copy: i
 the optimizer's step pre-hook (a non-finite step is stopped before the update), or when the step
 ends without an update; parameters and buffers recorded after the update (step post-hook) are
 read with the next step's copy. In async mode the copy is non-blocking and decoded one read
-later: no host sync at all on CUDA.
+later: no host sync at all on CUDA. ``optimizer.step(closure)`` (Lightning's automatic
+optimization, LBFGS) runs the forward and backward inside the step: the read then happens when the
+closure returns, still before the update.
 """
 from __future__ import annotations
 
@@ -239,14 +241,33 @@ class Monitor:
         if self._closed:
             return None
         self._attempted = True
-        if self.checking:
-            try:
-                self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
-            except NonFiniteError:
-                if not self._explicit:  # the update will not run: the step ends here, skipped
-                    self._end_step(raise_incident=False)
-                raise
+        if not self.checking:
+            return None
+        at = 1 if args and args[0] is optimizer else 0  # (torch passes the optimizer itself as args[0])
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[at] if len(args) > at else None)
+        if callable(closure):
+            # optimizer.step(closure): the step's forward and backward run inside the step, in the
+            # closure (Lightning's automatic optimization, LBFGS). Read when the closure returns --
+            # after the backward, before the update -- not here, before the forward.
+            def closure_then_read(*c_args, **c_kwargs):
+                result = closure(*c_args, **c_kwargs)
+                if not self._closed:
+                    self._read_before_update(optimizer)
+                return result
+
+            if "closure" in kwargs:
+                return args, dict(kwargs, closure=closure_then_read)
+            return tuple(args[:at]) + (closure_then_read,) + tuple(args[at + 1:]), kwargs
+        self._read_before_update(optimizer)
         return None
+
+    def _read_before_update(self, optimizer) -> None:
+        try:
+            self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
+        except NonFiniteError:
+            if not self._explicit:  # the update will not run: the step ends here, skipped
+                self._end_step(raise_incident=False)
+            raise
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         if self._closed:

@@ -1,0 +1,164 @@
+"""The Lightning callback (nanscan.integrations.lightning) on a tiny LightningModule: clean runs,
+planted faults in a named module (forward, backward-only, loss), 32-bit and bf16-mixed precision.
+Lightning's automatic optimization runs the forward and backward inside optimizer.step(closure):
+the incident must still name the step and stop it before its update."""
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+
+pl = pytest.importorskip("lightning.pytorch")
+
+
+class Sq(nn.Module):
+    """Identity in the forward; when ``fault`` is set, x + sqrt(x * 0): finite forward, NaN gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.fault = False
+
+    def forward(self, x):
+        return x + torch.sqrt(x * 0.0) if self.fault else x
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, loss_fault_step=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), Sq(), nn.Linear(16, 1))
+        self.loss_fault_step = loss_fault_step
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.net(x)  # (Lightning code often calls submodules, not self(...))
+        loss = (out - y).pow(2).mean()
+        if self.global_step == self.loss_fault_step:
+            loss = torch.log(loss - 1e6)  # the loss itself goes NaN
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+class Plant(pl.Callback):
+    """Before training step ``step``: ``kind`` "weight" makes a weight of net.2 +inf, "backward" turns
+    on the backward-only fault in net.3."""
+
+    def __init__(self, step, kind):
+        self.step, self.kind = step, kind
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            if self.kind == "weight":
+                with torch.no_grad():
+                    pl_module.net[2].weight[0, 0] = float("inf")
+            else:
+                pl_module.net[3].fault = True
+
+
+def loader():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def fit(callbacks, max_steps=5, precision="32-true", module=None):
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, precision=precision, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=callbacks, num_sanity_val_steps=0)
+    module = module or Tiny()
+    trainer.fit(module, loader())
+    return module
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_clean_fit_has_no_incident_and_every_step_applied(precision):
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback()
+    fit([callback], precision=precision)
+    mon = callback.last_monitor
+    assert mon is not None and callback.monitor is None  # closed at the end of fit
+    assert mon.incidents == [] and mon.ledger.attempted == 5 and mon.ledger.applied == 5
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_planted_weight_overflow_is_named_and_its_update_never_applied(precision):
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback()
+    module = Tiny()
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        fit([callback, Plant(2, "weight")], precision=precision, module=module)
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (2, "forward", "net.2", "activation", True)
+    mon = callback.last_monitor
+    assert mon.ledger.applied == 2  # steps 0 and 1; step 2 was stopped before its update
+    assert torch.isfinite(module.net[0].weight).all()  # no non-finite update reached the weights
+
+
+def test_backward_only_fault_is_named_inside_the_closure():
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback()
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        fit([callback, Plant(3, "backward")])
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (3, "backward", "net.3", "grad", True)
+
+
+def test_the_loss_lightning_backpropagates_is_recorded_as_the_loss():
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback()
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        fit([callback], module=Tiny(loss_fault_step=1))
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (1, "loss", "loss", "loss", True)
+
+
+def test_a_closure_step_without_lightning_is_read_after_the_closure():
+    # The same mechanism on a plain loop: optimizer.step(closure) (LBFGS style).
+    model = nn.Sequential(nn.Linear(4, 4), Sq(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanscan.NonFiniteError) as err, nanscan.watch(model, opt) as mon:
+        for step in range(4):
+            model[1].fault = step == 2
+
+            def closure():
+                opt.zero_grad()
+                loss = model(x).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind) == (2, "backward", "1", "grad")
+    assert mon.ledger.applied == 2
+
+
+def test_fp16_mixed_precision_uses_the_trainers_grad_scaler():
+    # fp16 AMP is not offered on CPU by name; the MixedPrecision plugin with a CPU GradScaler is the
+    # same code path as "16-mixed" on a GPU (scaler.scale / unscale_ / step / update).
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback()
+    trainer = pl.Trainer(max_steps=5, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=[callback, Plant(2, "weight")],
+                         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        trainer.fit(Tiny(), loader())
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (2, "forward", "net.2", "activation", True)
+    mon = callback.last_monitor
+    assert mon.scaler is trainer.precision_plugin.scaler
+    # The first steps' gradient overflow (scale 65536 in fp16) is GradScaler's to handle: recorded, not raised.
+    assert all(i.handled_by_scaler for i in mon.incidents if i.step < 2)
+    ledger = mon.ledger
+    assert ledger.attempted == 3 and 2 in ledger.skipped_steps  # step 2 was stopped before its update
+    assert ledger.applied == 3 - len(ledger.skipped_steps)
