@@ -264,3 +264,28 @@ def test_dict_batch_bundle_replays_as_keyword_arguments(tmp_path):
         assert result.reproduced and result.first_op == "aten.log.default"
         user = nanscan.replay(bundle, KwNet(), forward=lambda m, b: m(**b).sum())  # the loop's own forward
         assert user.reproduced and user.first_op == "aten.log.default"
+
+
+@pytest.mark.parametrize("where", ["batch", "weight"])
+def test_replay_of_a_bundle_that_was_already_non_finite_says_so(tmp_path, where):
+    # A NaN that came in with the batch (or sits in a weight since an earlier step) was made by no op
+    # of the step: replay names what was non-finite before the step ran, not "not observable".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = nanscan.watch(model, opt, capture_dir=str(tmp_path))
+    x = torch.randn(2, 4)
+    if where == "batch":
+        x[1, 2] = float("nan")
+    else:
+        with torch.no_grad():
+            model[2].weight[0, 1] = float("inf")
+    with pytest.raises(nanscan.NonFiniteError), mon:
+        model(x).sum().backward()
+        opt.step()
+    torch.manual_seed(0)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    result = nanscan.replay(mon.bundle_path, fresh)
+    expected = "batch.args[0]" if where == "batch" else "2.weight"
+    assert result.reproduced and result.first_op is None and result.nonfinite_before == [expected]
+    assert "already in the bundle before the step ran" in str(result) and expected in str(result)

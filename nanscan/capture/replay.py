@@ -161,13 +161,21 @@ class ReplayResult:
     precision: Optional[str]
     compile_backend: Optional[str]
     anomaly_error: Optional[str] = None
+    # Batch tensors, parameters and buffers that were non-finite before the step ran: then no op
+    # *made* the first non-finite value -- it came in with the bundle.
+    nonfinite_before: list = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         how = f"precision={self.precision or 'as recorded'}, backend={self.compile_backend or 'eager'}"
         if not self.reproduced:
             return f"replay ({how}): did not reproduce; every value stayed finite"
+        if self.first_op is None and self.nonfinite_before:
+            names = ", ".join(self.nonfinite_before[:8]) + (" ..." if len(self.nonfinite_before) > 8 else "")
+            return (f"replay ({how}): reproduced (result {self.result}); no op made the first non-finite value: "
+                    f"it was already in the bundle before the step ran ({names})")
         if self.first_op is None:
-            return f"replay ({how}): reproduced (result {self.result}), first op not observable"
+            return (f"replay ({how}): reproduced (result {self.result}), first op not observable (inside a "
+                    f"compiled graph, which a dispatch mode cannot see into)")
         ins = "; ".join(str(s) for s in self.inputs) or "no floating inputs"
         return (f"replay ({how}): first non-finite op {self.first_op} in {self.phase}, module "
                 f"{self.module or '(outside any module)'}, at {self.stack or '?'}; inputs finite ({ins}); "
@@ -241,6 +249,7 @@ def replay(bundle, model: torch.nn.Module, forward: Optional[Callable[[Any, Any]
     (``backward=False`` to skip), so gradient faults are found. ``model``'s parameters are
     overwritten by the bundle's state."""
     b, batch, device = prepare(bundle, model, precision)
+    before = _nonfinite_before(model, batch)
     modules = _ModuleStack(model)
     mode = _FirstNonFiniteMode(modules)
     anomaly_error = None
@@ -272,4 +281,38 @@ def replay(bundle, model: torch.nn.Module, forward: Optional[Callable[[Any, Any]
         reproduced=reproduced, first_op=found.op if found else None, module=found.module if found else None,
         phase=found.phase if found else None, stack=found.stack if found else None,
         inputs=found.inputs if found else [], outputs=found.outputs if found else [],
-        result=result_summary, precision=precision, compile_backend=compile_backend, anomaly_error=anomaly_error)
+        result=result_summary, precision=precision, compile_backend=compile_backend, anomaly_error=anomaly_error,
+        nonfinite_before=before)
+
+
+def _nonfinite_before(model: torch.nn.Module, batch: dict) -> list:
+    """Names of the batch's tensors (``batch.args[0]``, ``batch.input_ids``) and of the model's
+    parameters and buffers holding a non-finite value before the step runs (one ``records`` call;
+    offline, so the host sync is fine)."""
+    named = []
+
+    def walk(value, name):
+        if isinstance(value, torch.Tensor):
+            if (value.is_floating_point() or value.is_complex()) and value.device.type != "meta":
+                named.append((name, value.detach()))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{name}[{i}]")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}")
+
+    if batch.get("mapping"):
+        walk(dict(batch["kwargs"]), "batch")
+    else:
+        walk(tuple(batch["args"]), "batch.args")
+        walk(dict(batch["kwargs"]), "batch")
+    named += [(n, t.detach()) for n, t in model.named_parameters()] + [
+        (n, t.detach()) for n, t in model.named_buffers() if t.is_floating_point() or t.is_complex()]
+    if not named:
+        return []
+    try:
+        counts = records([t for _, t in named])[:, :3].sum(dim=1).tolist()
+    except (TypeError, ValueError, RuntimeError):  # a dtype nanscan does not summarize: say nothing, never guess
+        return []
+    return [n for (n, _), c in zip(named, counts) if c > 0]
