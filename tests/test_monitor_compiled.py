@@ -279,3 +279,20 @@ def test_compiled_backward_fault_without_taps_is_not_guessed():
     torch.manual_seed(0)
     inc, _ = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
     assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
+
+
+@pytest.mark.parametrize("same_instance", [False, True])
+def test_a_graph_compiled_before_watch_is_never_reused_without_the_hooks(same_instance):
+    # dynamo does not guard on module hooks and caches graphs per code object: a graph compiled for an
+    # unwatched model of the same class (a notebook re-run, a train / eval copy) -- or for this model
+    # before watch -- would run the watched model without its hooks, and the fault would be reported
+    # at (model). watch drops those graphs (and says so); the fault is named where it is made.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    first = Net()
+    torch.compile(first, backend="aot_eager")(torch.randn(4, 8)).pow(2).mean().backward()
+    model = first if same_instance else Net()
+    with pytest.warns(RuntimeWarning, match="dropped 1 torch.compile graph"):
+        incident, _ = run(model, 4, block_fault, dict(backend="aot_eager"))
+    eager, _ = run(Net(), 4, block_fault)
+    assert key(incident) == key(eager) and incident.name == "block"

@@ -53,7 +53,7 @@ from nanscan.monitor.readback import Copy
 from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBlock, Slot, at
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
-from nanscan.monitor.traced import TracedRows
+from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hooks
 
 MODES = ("sync", "async")
 ON_NONFINITE = ("raise", "warn", "record")
@@ -763,6 +763,12 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")
+    if activations:
+        dropped = drop_graphs_compiled_without_hooks(model)
+        if dropped:
+            warnings.warn(f"nanscan.watch: dropped {dropped} torch.compile graph(s) of this model's classes compiled "
+                          f"before this watch (dynamo does not guard on module hooks and would reuse them without "
+                          f"this monitor's hooks); they recompile at the next call", RuntimeWarning, stacklevel=2)
     monitor = Monitor(model, optimizer, scaler, activations=activations, activation_grads=activation_grads,
                       compiled_grads=compiled_grads, grads=grads, params=params,
                       buffers=buffers, optimizer_state=optimizer_state, every=every, mode=mode,

@@ -71,6 +71,34 @@ def _note_shape(owner: int, row: int, shape: tuple) -> int:
     return 0
 
 
+def drop_graphs_compiled_without_hooks(model: torch.nn.Module) -> int:
+    """Drop dynamo's cached graphs of the ``forward`` of ``model``'s class and of every submodule
+    class; returns how many were dropped.
+
+    Why: dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``
+    is True by default) and caches graphs per code object. A graph compiled *before* ``watch`` --
+    for this instance, or for another instance of the same class (a notebook re-run, a train / eval
+    copy) -- would be reused for the watched model without calling its hooks: faults would be
+    reported at ``(model)`` or not at all. Dropped, they are recompiled at the next call (with the
+    hooks for the watched model; as before for the others)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    except ImportError:  # pragma: no cover - a torch without these: nothing to drop
+        return 0
+    dropped, seen = 0, set()
+    for module in model.modules():
+        forward = getattr(type(module), "forward", None)
+        code = getattr(forward, "__code__", None)
+        if code is None or code in seen:
+            continue
+        seen.add(code)
+        n = len(_debug_get_cache_entry_list(code))
+        if n:
+            reset_code(code)
+            dropped += n
+    return dropped
+
+
 class _RowInfo:
     __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind", "module",
                  "weight_input")
