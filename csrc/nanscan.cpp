@@ -12,6 +12,10 @@ TORCH_LIBRARY(nanscan, m) {
   m.def("summarize_many(Tensor[] xs) -> Tensor");
   m.def("triton_summarize(Tensor x) -> Tensor");
   m.def("triton_summarize_many(Tensor[] xs) -> Tensor");
+  // The monitor's compiled path: records written into rows of a buffer, stamped by a counter
+  // (csrc/monitor/stamp_rows.cpp, CompositeExplicitAutograd: every device, and meta).
+  m.def("stamp_rows_(Tensor(a!) buffer, Tensor(b!) counter, Tensor[] values, Tensor? records, int first_row, "
+        "int owner, str labels) -> ()");
 }
 
 // Records are statistics, not differentiable values: autograd falls through, so a record never
@@ -22,4 +26,5 @@ TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
   m.impl("summarize_many", torch::CppFunction::makeFallthrough());
   m.impl("triton_summarize", torch::CppFunction::makeFallthrough());
   m.impl("triton_summarize_many", torch::CppFunction::makeFallthrough());
+  m.impl("stamp_rows_", torch::CppFunction::makeFallthrough());
 }

@@ -13,6 +13,10 @@ triton      ``nanscan::triton_summarize`` / ``_many``    nanscan/kernels/triton.
 reference   (no op: plain PyTorch)                     nanscan/kernels/reference.py
 ==========  =========================================  ==========================================
 
+``nanscan::stamp_rows_`` is not a summary: the monitor's compiled path writes the records of one
+hook into rows of its buffer with it (one graph node per hook; csrc/monitor/stamp_rows.cpp, one
+composite kernel for every device).
+
 The library is loaded at ``import nanscan`` (a dlopen and a few registrations). When it is missing
 or stale the import still succeeds, the error is kept, and it is raised -- loudly, with the fix --
 the first time a compiled backend is asked for. Only ``backend="reference"`` (or
@@ -24,7 +28,7 @@ import glob
 import importlib.util
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -34,7 +38,7 @@ from nanscan.record import RECORD_SIZE
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(PACKAGE_DIR)
 BACKENDS = ("cpu", "cuda", "triton", "reference")
-OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many")
+OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_")
 REBUILD_HINT = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the nanscan checkout"
 
 
@@ -111,7 +115,21 @@ def _triton_summarize_many(xs: list) -> torch.Tensor:
     return _triton_module(xs[0].device if xs else torch.device("cpu")).summarize_many(xs)
 
 
+# Set by nanscan.monitor.traced: told, while a graph is traced, what each stamp_rows_ in it writes.
+STAMP_TRACED: Optional[Callable] = None
+
+
+def _fake_stamp_rows(buffer, counter, values, records, first_row, owner, labels) -> None:
+    """A write into ``buffer`` and ``counter``: nothing to compute for fake tensors. This is the one
+    piece of Python that runs when a graph holding the op is traced: the monitor notes there the
+    rows' labels, dtypes and static shapes (``STAMP_TRACED``), so its traced hooks need no Python
+    call of their own."""
+    if STAMP_TRACED is not None:
+        STAMP_TRACED(owner, first_row, values, labels)
+
+
 def _register_python_kernels() -> None:
+    torch.library.register_fake("nanscan::stamp_rows_")(_fake_stamp_rows)
     torch.library.register_fake("nanscan::summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::triton_summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::summarize_many")(_fake_summarize_many)

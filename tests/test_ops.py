@@ -17,6 +17,13 @@ def devices_for(op_name):
 
 def sample_inputs(op_name, device):
     """Small inputs: under TRITON_INTERPRET=1 the triton ops run in the (slow) interpreter."""
+    if op_name == "stamp_rows_":  # (buffer, counter, values, records, first_row, owner, labels)
+        def fresh():
+            return (torch.zeros(5, 12, dtype=torch.float64, device=device),
+                    torch.full((1,), 3.0, dtype=torch.float64, device=device))
+        values = [torch.randn(3, 4, device=device), torch.ones(2, device=device)]
+        records = torch.arange(16, dtype=torch.float64, device=device).reshape(2, 8)
+        return [(*fresh(), values, None, 2, 0, ""), (*fresh(), values, records, 1, 0, "a\x1fb")]
     x = torch.tensor([[1.0, float("nan"), -3.0], [0.0, float("inf"), 2.0]], device=device)
     y = torch.arange(10, dtype=torch.int32, device=device)
     many = op_name.endswith("_many")
@@ -95,3 +102,21 @@ def test_stale_or_missing_library_is_refused_loudly(monkeypatch):
         nanscan.summarize(torch.ones(3))
     assert nanscan.available_backends() == ["reference"]
     assert nanscan.summarize(torch.ones(3), backend="reference").sumsq == 3.0
+
+
+def test_stamp_rows_writes_records_and_sequence_numbers():
+    buffer = torch.zeros(6, 12, dtype=torch.float64)
+    counter = torch.full((1,), 4.0, dtype=torch.float64)
+    values = [torch.randn(3, 5), torch.tensor([1.0, float("nan")]), torch.zeros(4, dtype=torch.bfloat16)]
+    values[0][1, 2] = float("inf")
+    torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 2, 0, "")  # records: the default kernels'
+    torch.testing.assert_close(buffer[2:5, :8], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0, equal_nan=True)
+    assert buffer[2:5, 8].tolist() == [5.0, 6.0, 7.0]
+    assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, 9:].abs().sum() == 0 and counter.item() == 7.0
+    given = torch.arange(8, dtype=torch.float64).reshape(1, 8)  # records of another backend
+    torch.ops.nanscan.stamp_rows_(buffer, counter, values[:1], given, 0, 0, "")
+    assert torch.equal(buffer[0, :8], given[0]) and buffer[0, 8].item() == 8.0 and counter.item() == 8.0
+    with pytest.raises(RuntimeError, match="outside the buffer"):
+        torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 4, 0, "")
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.nanscan.stamp_rows_(buffer, counter, values[:1], given.float(), 0, 0, "")

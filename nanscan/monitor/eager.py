@@ -64,7 +64,7 @@ class ModuleInfo:
     """What the hooks of one module need, computed once at ``watch``; ``index`` is its position in
     the monitor's module list (the C++ hooks know a module by it)."""
 
-    __slots__ = ("name", "module", "is_root", "inplace", "index", "__weakref__")
+    __slots__ = ("name", "module", "is_root", "inplace", "index", "row_base", "__weakref__")
 
     def __init__(self, name: str, module: torch.nn.Module, is_root: bool, index: int = 0):
         self.name, self.is_root, self.index = name, is_root, index
@@ -72,6 +72,7 @@ class ModuleInfo:
         # A module that overwrites its input (nn.ReLU(inplace=True), Dropout(inplace=True), ...):
         # queued records are summarized before it runs.
         self.inplace = bool(getattr(module, "inplace", False))
+        self.row_base = 0  # its first row in the compiled path's buffer (set by TracedRows)
 
 
 def _root_hooks(pre, post):

@@ -3,10 +3,11 @@
 Inside a graph, hooks are traced and then replayed as graph ops: they may do nothing but tensor
 ops (Python bookkeeping would be replayed as side effects on every call, or break the graph). So
 every watched module owns static rows of a device buffer, fixed at ``watch``: ``INPUTS`` rows for
-its first floating inputs and ``OUTPUTS`` rows for its floating outputs. A traced hook writes the
-value's record into its row together with the value of a device counter (the host learns which
+its first floating inputs and ``OUTPUTS`` rows for its floating outputs. A traced hook writes its
+values' records into its rows together with values of a device counter (the host learns which
 rows ran in this read window, and in which order: several graphs per step, graph breaks, several
-forwards per optimizer step) and the value's real shape. The read decodes the written rows into
+forwards per optimizer step) in two graph ops -- one ``summarize_many``, one
+``nanscan::stamp_rows_`` -- and the values' real shapes are noted at trace time. The read decodes the written rows into
 slots like eager ones, so attribution is the same code.
 
 Tensor identity is not available inside a graph, so module inputs are recorded too. An input of a
@@ -35,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from nanscan import _ops
 from nanscan.monitor.eager import float_tensors
 from nanscan.monitor.slots import Slot
 from nanscan.record import RECORD_SIZE
@@ -64,11 +66,28 @@ _TRACED: set = set()  # id(TracedRows) of those whose hooks were traced into som
 _SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
 
 
-@torch._dynamo.assume_constant_result
-def _note_shape(owner: int, row: int, shape: tuple) -> int:
-    """A static shape is known when the graph is traced: noted once, not written on every run."""
-    _SHAPES[(owner, row)] = shape
-    return 0
+_LABEL_SEP = "\x1f"
+
+
+def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> None:
+    """What one traced ``stamp_rows_`` writes -- its rows' labels, dtypes and static shapes --
+    noted while the graph is traced (called by the op's fake kernel, nanscan/_ops.py: the traced
+    hook itself makes no Python call for it, because every call dynamo traces costs compile time).
+    A symbolic (dynamic) shape is not noted: the hook writes it into the row at run time."""
+    names = labels.split(_LABEL_SEP) if labels else []
+    for k, t in enumerate(values):
+        key = (owner, first_row + k)
+        label = names[k] if k < len(names) and names[k] else None
+        if label is None:  # the row's own name (or, for a tap's gradient row, the label noted at the tap)
+            label = _NOTES.get(key, (None, None))[0]
+        _NOTES[key] = (label, t.dtype)
+        shape = tuple(t.shape)
+        if all(type(s) is int for s in shape):
+            _SHAPES[key] = shape
+    _TRACED.add(owner)
+
+
+_ops.STAMP_TRACED = _noted_at_trace
 
 
 def drop_graphs_compiled_without_hooks(model: torch.nn.Module) -> int:
@@ -129,7 +148,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _ROWS[ctx.owner]._write(ctx.row, grad)
+        _ROWS[ctx.owner]._write_rows(ctx.row, [grad])
         return grad, None, None
 
 
@@ -137,14 +156,16 @@ class TracedRows:
     def __init__(self, monitor, infos: list, kernels_for):
         self.monitor = monitor
         self.kernels_for = kernels_for  # device -> (summarize one, summarize many)
-        self.record_one = None  # the op for the buffer's device, fixed at allocate: no lookup to guard on
+        # The ops for the buffer's device, fixed at allocate: no lookup to guard on.
+        self.record_one = self.record_many = None
+        self.default_kernels = False
         self.buffer: Optional[torch.Tensor] = None
         self.counter: Optional[torch.Tensor] = None
         self.base = {}
         self.rows: list = []
         by_name = {info.name: info for info in infos}
         for info in infos:
-            self.base[info.name] = len(self.rows)
+            self.base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
             parent_inputs = () if parent is None else tuple(range(self.base.get(parent.name, 0),
                                                                   self.base.get(parent.name, 0) + INPUTS))
@@ -172,7 +193,8 @@ class TracedRows:
         if self.buffer is None or self.buffer.device != device:
             self.buffer = torch.zeros(len(self.rows), COLUMNS, dtype=torch.float64, device=device)
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
-            self.record_one = self.kernels_for(device)[0]
+            self.record_one, self.record_many = self.kernels_for(device)
+            self.default_kernels = self.record_many is torch.ops.nanscan.summarize_many.default
 
     @property
     def used(self) -> bool:
@@ -191,30 +213,54 @@ class TracedRows:
         m = self.monitor
         return m.activations and m.checking and not m._closed and torch.is_grad_enabled() and m.model.training
 
-    def _write(self, row: int, t: torch.Tensor) -> None:
-        """Three graph ops per row: the record, the counter, its value. The shape is noted at trace
-        time when it is static; only symbolic (dynamic) shapes are written at run time."""
-        view = self.buffer[row]
-        view[:RECORD_SIZE].copy_(self.record_one(t.detach()))
-        self.counter.add_(1)
-        view[SEQ:SEQ + 1].copy_(self.counter)
-        shape = tuple(t.shape)
-        if all(type(s) is int for s in shape):
-            _note_shape(id(self), row, shape)
+    def _write_rows(self, first_row: int, values: list, labels: str = "") -> None:
+        """One hook's values into consecutive rows from ``first_row``: two graph ops per hook, their
+        records and sequence numbers into the buffer in one ``nanscan::stamp_rows_``
+        (csrc/monitor/stamp_rows.cpp; another backend's records come from one more op).
+        ``labels``: the rows' labels joined by ``_LABEL_SEP`` ("" for a row's own name). Labels,
+        dtypes and static shapes are noted at trace time (``_noted_at_trace``); only symbolic
+        (dynamic) shapes are written at run time."""
+        if not values:
             return
-        view[NUMEL] = t.numel()
-        view[NDIM] = t.dim()
-        for d in range(min(t.dim(), MAX_DIMS)):
-            view[DIMS + d] = t.shape[d]
+        # (Loops, not generator expressions: dynamo traces every line here at every module call.)
+        device, one_device = self.buffer.device, True
+        for t in values:
+            if t.device != device:
+                one_device = False
+        records = None  # summarized inside the op, by the default kernels
+        if not one_device:  # a value on another device (model parallel): summarized where it lives
+            records = torch.stack([self.record_one(t).to(device) for t in values])
+        elif not self.default_kernels:
+            records = self.record_many(values)
+        if records is not None and records.requires_grad:  # (a backend without the autograd fall-through)
+            records = records.detach()
+        torch.ops.nanscan.stamp_rows_(self.buffer, self.counter, values, records, first_row, id(self), labels)
+        for k, t in enumerate(values):
+            for size in t.shape:
+                if type(size) is not int:  # a symbolic shape: written at run time (static ones are noted)
+                    view = self.buffer[first_row + k]
+                    view[NUMEL] = t.numel()
+                    view[NDIM] = t.dim()
+                    for d in range(min(t.dim(), MAX_DIMS)):
+                        view[DIMS + d] = t.shape[d]
+                    break
 
     def write_inputs(self, info, args, kwargs):
         """Record the module's first floating inputs; tap the top-level ones that require grad.
         Returns the hook's result: ``(args, kwargs)`` with tapped inputs, or None."""
         if not self._recording():
             return None
-        base = self.base[info.name]
+        base = info.row_base
+        compiled_grads = self.monitor.compiled_grads
+        if len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor and not compiled_grads:
+            # The common call, module(x): the walk below without its bytecode (dynamo traces every
+            # line of a hook, at every module call: that is the watched model's compile time).
+            t = args[0]
+            if t.is_floating_point() or t.is_complex():
+                self._write_rows(base, [t])  # (row names: "<root>.input[0]", else the parent's)
+            return None
         grad_base = base + INPUTS + OUTPUTS
-        new_args, new_kwargs, k = list(args), dict(kwargs), 0
+        new_args, new_kwargs, k, values, labels = list(args), dict(kwargs), 0, [], []
         for container, keys in ((new_args, range(len(args))), (new_kwargs, list(kwargs))):
             for i in keys:
                 value = container[i]
@@ -222,12 +268,13 @@ class TracedRows:
                 found = float_tensors(value, label, [])
                 for lab, t in found:
                     if k < INPUTS:
-                        _note(id(self), base + k, f"{info.name}.{lab}" if info.is_root else None, t.dtype)
-                        self._write(base + k, t)
-                        if t is value and t.requires_grad and self.monitor.compiled_grads:
+                        labels.append(f"{info.name}.{lab}" if info.is_root else "")
+                        values.append(t)
+                        if t is value and t.requires_grad and compiled_grads:
                             _note(id(self), grad_base + k, None, t.dtype)
                             container[i] = _Tap.apply(t, id(self), grad_base + k)
                     k += 1
+        self._write_rows(base, values, _LABEL_SEP.join(labels))  # (the inputs as they came in, before any tap)
         return tuple(new_args), new_kwargs
 
     def write_outputs(self, info, output):
@@ -235,11 +282,14 @@ class TracedRows:
         tuple / list) that require grad. Returns the hook's result: the tapped output, or None."""
         if not self._recording():
             return None
-        base = self.base[info.name] + INPUTS
+        base = info.row_base + INPUTS
+        if type(output) is torch.Tensor and not self.monitor.compiled_grads:  # the common case, as for inputs
+            if output.is_floating_point() or output.is_complex():
+                self._write_rows(base, [output])  # (row name: the module's)
+            return None
         grad_base = base + OUTPUTS + INPUTS
-        for k, (label, t) in enumerate(float_tensors(output, "", [])[:OUTPUTS]):
-            _note(id(self), base + k, info.name + label, t.dtype)
-            self._write(base + k, t)
+        found = float_tensors(output, "", [])[:OUTPUTS]
+        self._write_rows(base, [t for _, t in found], _LABEL_SEP.join(info.name + label for label, _ in found))
         if not self.monitor.compiled_grads:
             return None
         if isinstance(output, torch.Tensor):

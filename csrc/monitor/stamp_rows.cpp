@@ -1,0 +1,67 @@
+// nanscan::stamp_rows_ : the compiled path's one write per hook (nanscan/monitor/traced.py).
+//
+// Inside a torch.compile graph the monitor cannot run Python per record: each watched module owns
+// consecutive rows of a device buffer, and a traced hook writes the records of its values there,
+// stamped with a device counter (the order in which rows were written: several graphs, graph
+// breaks and forwards per step). Written with tensor indexing, that was seven graph ops per value
+// (select, slice, copy_, add_, slice, copy_ and the record), functionalized into slice_scatters of
+// the whole buffer: the bulk of a watched model's compile time. As one mutating op it is one node
+// per hook, and inductor writes in place.
+//
+//   stamp_rows_(buffer, counter, values, records, first_row, owner, labels):
+//     records = records if given else nanscan::summarize_many(values)
+//     n = records.size(0), R = records.size(1)
+//     buffer[first_row + k, 0:R] = records[k]            k = 0 .. n-1
+//     buffer[first_row + k, R]   = counter + k + 1
+//     counter += n
+//
+// buffer: [rows, C] with C > R, counter: [1], both float64 on records' device. `records` is given
+// when another backend than the default kernels summarizes, or when a value lives on another
+// device. `owner` and `labels` are not used here: the fake kernel (nanscan/_ops.py) hands them,
+// with the values' dtypes and shapes, to the monitor when the graph is traced -- the one moment
+// Python runs -- so nothing else is noted per hook. One composite kernel serves every device.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace nanscan {
+
+void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
+                 const c10::optional<at::Tensor>& given, int64_t first_row, int64_t /*owner*/,
+                 c10::string_view /*labels*/) {
+  at::Tensor records;
+  if (given.has_value() && given->defined()) {
+    records = *given;
+  } else {
+    if (values.empty()) return;
+    static auto many = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("nanscan::summarize_many", "")
+                           .typed<at::Tensor(at::TensorList)>();
+    records = many.call(values);
+  }
+  TORCH_CHECK(buffer.dim() == 2 && records.dim() == 2,
+              "nanscan.stamp_rows_: buffer and records must be 2-D, got ", buffer.sizes(), " and ", records.sizes());
+  const int64_t n = records.size(0), width = records.size(1);
+  TORCH_CHECK(buffer.size(1) > width, "nanscan.stamp_rows_: buffer has ", buffer.size(1),
+              " columns; it needs the ", width, " record columns and one for the sequence number");
+  TORCH_CHECK(first_row >= 0 && first_row + n <= buffer.size(0), "nanscan.stamp_rows_: rows ", first_row, "..",
+              first_row + n, " are outside the buffer's ", buffer.size(0), " rows");
+  TORCH_CHECK(counter.numel() == 1, "nanscan.stamp_rows_: counter must hold one value, got ", counter.sizes());
+  TORCH_CHECK(buffer.device() == records.device() && counter.device() == records.device(),
+              "nanscan.stamp_rows_: buffer, counter and records must be on one device, got ", buffer.device(), ", ",
+              counter.device(), " and ", records.device());
+  TORCH_CHECK(buffer.scalar_type() == records.scalar_type() && counter.scalar_type() == records.scalar_type(),
+              "nanscan.stamp_rows_: buffer, counter and records must have one dtype, got ", buffer.scalar_type(), ", ",
+              counter.scalar_type(), " and ", records.scalar_type());
+  if (n == 0) return;
+  at::Tensor block = buffer.narrow(0, first_row, n);
+  block.narrow(1, 0, width).copy_(records);
+  block.select(1, width).copy_(at::arange(1, n + 1, counter.options()).add_(counter.reshape({1})));
+  counter.add_(n);
+}
+
+}  // namespace nanscan
+
+TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
+  m.impl("stamp_rows_", &nanscan::stamp_rows_);
+}
