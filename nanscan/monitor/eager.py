@@ -124,6 +124,11 @@ class EagerHooks:
         handles = []
         for info in self.infos:
             module = info.module()
+            if type(module) is torch.nn.Identity and not info.is_root:
+                # Returns its input: it records nothing, makes no value and no gradient. Not hooked:
+                # timm puts dozens in every model (layer scale, drop path, q/k norm when off), and
+                # each hooked module costs host time per step and dynamo time per compile.
+                continue
             pre, post = self._pre_hook(info), self._post_hook(info)
             if info.is_root:
                 pre, post = _root_hooks(pre, post)
