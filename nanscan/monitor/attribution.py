@@ -46,11 +46,14 @@ def _consumer(slots, slot):
 
 
 def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[int], rank: int,
-                    position=None) -> list:
+                    position=None, reduced_grads: bool = False) -> list:
     """Incidents, one per (step, phase), sorted in training order. ``values(i)`` gives slot i's
     record as a list of floats; ``bad`` holds the indices of slots with a non-finite element;
     gradient incidents of ``handled_step`` are marked handled by GradScaler; ``position(i)``
-    orders slots in production order where index order is not (default: index order)."""
+    orders slots in production order where index order is not (default: index order).
+    ``reduced_grads``: parameter gradients were reduced across ranks (data parallel, FSDP): one
+    whose local inputs were finite may hold another rank's non-finite contribution, so nanscan
+    cannot tell where it was produced (``produced=None``)."""
     first, seen = {}, set()
     last_bad = {}  # (step, phase) -> the latest non-finite slot that is not a compiled input row
     explained_by = {}  # compiled input row -> that slot: the value it most likely is (no identity in a graph)
@@ -84,6 +87,8 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
             produced = None
         elif not sure:
             produced = False if bad_inputs else None
+        elif reduced_grads and s.param and not bad_inputs:
+            produced = None
         else:
             produced = not bad_inputs
         # Only gradient overflow is AMP's to handle: loss scaling cannot fix a non-finite forward

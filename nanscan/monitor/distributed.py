@@ -2,8 +2,16 @@
 be combined across ranks.
 
 "First rank" means the rank whose incident has the smallest (step, phase) -- ranks run the same
-steps, so that is the one that went non-finite first in training order; ties go to the lowest rank
-(ranks are not clocks: nanscan does not compare wall times across machines).
+steps, so that is the one that went non-finite first in training order. Within one (step, phase) a
+rank whose incident says produced / propagated goes before one that cannot tell (a parameter
+gradient reduced across ranks -- data parallel, FSDP -- may hold another rank's non-finite
+contribution: ``produced=None`` there); then the lowest rank (ranks are not clocks: nanscan does
+not compare wall times across machines).
+
+Sharded models (FSDP2 ``fully_shard``, tensor parallelism): parameters, their gradients and
+optimizer state are DTensors; the monitor summarizes each rank's local shard (:func:`local_shards`),
+never an all-gather of the data, so a parameter incident's summary and shape are that rank's
+shard's. Call ``watch`` after ``fully_shard`` (it replaces the parameters).
 """
 from __future__ import annotations
 
@@ -13,6 +21,32 @@ import torch
 
 from nanscan.monitor.incident import PHASE_ORDER
 from nanscan.record import Field
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without torch.distributed.tensor
+        return None
+    return DTensor
+
+
+def has_dtensors(tensors) -> bool:
+    """Whether any of ``tensors`` is a DTensor (FSDP2's sharded parameters, tensor parallelism)."""
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+
+
+def local_shards(tensors: list) -> list:
+    """The shard this rank holds of each DTensor in ``tensors`` (other tensors as they are).
+
+    The monitor summarizes parameters, gradients and optimizer state of a sharded model
+    shard-locally: never an all-gather of the data, and every rank's incident describes its own
+    shard (its summary counts and shape are the shard's). ``_local_tensor`` rather than
+    ``to_local()``: the same tensor without a differentiable view and DTensor's per-call
+    dispatch, hundreds of times per step."""
+    dtensor = _dtensor_type()
+    return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
 def active() -> bool:
@@ -32,15 +66,18 @@ def agree(local):
     one every rank will report: the first in (step, phase, rank) order, or None. One tiny
     all_gather per call; the incident itself is broadcast (pickled) only when there is one."""
     dist = torch.distributed
-    mine = torch.tensor([0.0, 0.0, 0.0] if local is None else [1.0, float(local.step), float(PHASE_ORDER[local.phase])],
+    # Within the same (step, phase), a rank that could tell produced / propagated goes first: a
+    # parameter gradient reduced across ranks (produced None) may hold another rank's contribution.
+    mine = torch.tensor([0.0, 0.0, 0.0, 0.0] if local is None else
+                        [1.0, float(local.step), float(PHASE_ORDER[local.phase]), float(local.produced is None)],
                         dtype=torch.float64, device=_device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = torch.stack(gathered).tolist()  # host copy: once per checked step, like the records
-    flagged = [(r[1], r[2], rank) for rank, r in enumerate(rows) if r[0]]
+    flagged = [(r[1], r[2], r[3], rank) for rank, r in enumerate(rows) if r[0]]
     if not flagged:
         return None
-    src = min(flagged)[2]
+    src = min(flagged)[3]
     box = [local if dist.get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]

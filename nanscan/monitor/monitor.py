@@ -93,6 +93,9 @@ class Monitor:
         self._param_names = [n for n, _ in self._params]
         self._all_param_names = frozenset(self._param_names)
         self._param_tensors = [p for _, p in self._params]
+        # FSDP2 / tensor parallelism: DTensor parameters (and gradients, optimizer state) are
+        # summarized shard-locally (distributed.local_shards). Decided once: plain models pay nothing.
+        self._sharded = distributed.has_dtensors(self._param_tensors)
         self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if buffers else []
@@ -292,15 +295,18 @@ class Monitor:
                     return None  # no gradient was read for it in this step
                 return (f"{names[k]} (grad)",) if names[k] in grads_read[1] else ()
 
-            rows = self._summarize_many(self._param_tensors)
-            self.slots.add_block(rows, Block(step, "update", "param", self._param_names, self._param_tensors,
-                                             self._param_owners, input_bad=input_bad), len(self._param_tensors))
+            params = distributed.local_shards(self._param_tensors) if self._sharded else self._param_tensors
+            rows = self._summarize_many(params)
+            self.slots.add_block(rows, Block(step, "update", "param", self._param_names, params,
+                                             self._param_owners, input_bad=input_bad), len(params))
         self._record_buffers(step)
         if self.optimizer_state:
             names = {id(p): n for n, p in self._params}
             for p, state in optimizer.state.items():
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
+                        if self._sharded:
+                            value = distributed.local_shards([value])[0]
                         name = f"{names.get(id(p), '?')}.{key}"
                         self.slots.add(value, Slot(step, "update", "optimizer_state", name, value.dtype, value.shape))
 
@@ -474,6 +480,8 @@ class Monitor:
         gradients of its module's outputs and the module's forward inputs in this window (``rows``:
         the window's hook records, or None)."""
         grads = [p.grad for p in self._param_tensors]
+        if self._sharded:
+            grads = distributed.local_shards(grads)
         names, owners = self._param_names, self._param_owners
         if any(g is None for g in grads):
             present = [k for k, g in enumerate(grads) if g is not None]
@@ -598,7 +606,7 @@ class Monitor:
         if phase != "eval":
             self._check_hooks_ran(copy, slots)
             self._note_read(slots, bad, step, copy.grad_start)
-        found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank,
+        found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank, reduced_grads=distributed.active(),
                                 handled_step=step if handled else None, position=position)
         self.incidents.extend(found)
         if bad:

@@ -80,6 +80,7 @@ class Block:
         if inputs is not None and owner is not None:
             inputs = tuple(inputs) + self.extra_inputs.get(owner.name, ())
         slot = Slot(self.step, self.phase, self.kind, self.names[k], t.dtype, tuple(t.shape), inputs or (), True, owner)
+        slot.param = self.param
         if self.input_bad is not None:
             slot.known_bad_inputs = self.input_bad(k)
         return slot
