@@ -3,6 +3,13 @@
 ``record`` / ``records`` return the raw float64 records as device tensors and never sync the host:
 use them inside training steps and ``torch.compile``-d functions. ``summarize`` /
 ``summarize_many`` decode to Python numbers, which costs exactly one device-to-host copy.
+
+DTensors (:mod:`nanscan.sharded`): ``summarize`` / ``summarize_many`` give the summary of the
+*global* tensor -- each rank's shard record, combined over the mesh in one small collective per
+mesh dimension (records, never the data); ``record`` / ``records`` stay local and sync-free: a
+DTensor's record is this rank's contribution (its shard's record, ``first_nonfinite_index`` as a
+global index, the neutral record for a replica that is not the first), which
+``nanscan.sharded.combine`` turns into the global record.
 """
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from nanscan import _ops
+from nanscan import _ops, sharded
 from nanscan.record import RECORD_SIZE, TensorSummary
 
 
@@ -22,7 +29,10 @@ def _check_tensor(x, op: str) -> torch.Tensor:
 
 
 def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """The float64 ``[8]`` record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`)."""
+    """The float64 ``[8]`` record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`);
+    for a DTensor, this rank's contribution to the global record (module docstring)."""
+    if sharded.is_dtensor(x):
+        return sharded.local_record(x, lambda t: record(t, backend))
     _check_tensor(x, "nanscan.record")
     return _ops.kernels(backend, x.device)[0](x)
 
@@ -31,6 +41,8 @@ def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.
     """The ``[len(xs), 8]`` float64 records of ``xs`` (all on one device), in as few launches as the
     backend allows. An empty list gives a ``[0, 8]`` CPU tensor."""
     xs = list(xs)
+    if any(sharded.is_dtensor(x) for x in xs):  # (per tensor: each DTensor maps its own first index)
+        return torch.stack([record(x, backend) for x in xs])
     for x in xs:
         _check_tensor(x, "nanscan.records")
     devices = {x.device for x in xs}
@@ -48,15 +60,32 @@ def _no_meta(x: torch.Tensor, op: str) -> None:
 
 
 def summarize(x: torch.Tensor, backend: Optional[str] = None) -> TensorSummary:
-    """Summarize ``x`` in one fused pass and return a :class:`TensorSummary` (one host copy)."""
+    """Summarize ``x`` in one fused pass and return a :class:`TensorSummary` (one host copy). For a
+    DTensor: the global tensor's summary, combined over its mesh (a collective: every rank of the
+    mesh calls it)."""
+    if sharded.is_dtensor(x):
+        rec = sharded.combine(record(x, backend).unsqueeze(0), x.device_mesh)[0]
+        return TensorSummary.from_values(rec.tolist(), x.dtype, x.shape)
     _no_meta(_check_tensor(x, "nanscan.summarize"), "nanscan.summarize")
     return TensorSummary.from_record(record(x, backend), x)
 
 
 def summarize_many(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> list:
-    """Summarize every tensor of ``xs`` (one launch group, one host copy for all of them)."""
+    """Summarize every tensor of ``xs`` (one launch group, one host copy for all of them). DTensors
+    get their global summaries, combined in one collective per mesh dimension for all of them
+    (they must share one mesh; every rank of it calls this with the same list)."""
     xs = list(xs)
-    for x in xs:
-        _no_meta(_check_tensor(x, "nanscan.summarize_many"), "nanscan.summarize_many")
-    rows = records(xs, backend).tolist()
+    shards = [k for k, x in enumerate(xs) if sharded.is_dtensor(x)]
+    for k, x in enumerate(xs):
+        if k not in shards:
+            _no_meta(_check_tensor(x, "nanscan.summarize_many"), "nanscan.summarize_many")
+    rows = records(xs, backend)
+    if shards:
+        meshes = {xs[k].device_mesh for k in shards}
+        if len(meshes) > 1:
+            raise ValueError(f"nanscan.summarize_many: the DTensors are on {len(meshes)} different device meshes; "
+                             "summarize each mesh's tensors in a call of their own")
+        index = torch.tensor(shards, device=rows.device)
+        rows = rows.index_copy(0, index, sharded.combine(rows[index], meshes.pop()))
+    rows = rows.tolist()
     return [TensorSummary.from_values(row, x.dtype, x.shape) for row, x in zip(rows, xs)]
