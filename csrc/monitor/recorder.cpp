@@ -268,7 +268,18 @@ class Window {
   // The entry a live tensor was recorded at in this window (same object, same version), or -1.
   int32_t lookup(const at::Tensor& t) const {
     auto it = known_.find(t.unsafeGetTensorImpl());
-    if (it == known_.end() || it->second.ref.expired()) return -1;
+    if (it == known_.end() || it->second.ref.expired()) {
+      // A full alias of a recorded tensor (x.view_as(x): DTensor.from_local, which tensor
+      // parallelism applies to module inputs) holds the same values: the same record.
+      if (t.is_view()) {
+        const at::Tensor base(t._base());
+        if (base.defined() && base.sizes() == t.sizes() && base.strides() == t.strides() &&
+            base.storage_offset() == t.storage_offset() && base.scalar_type() == t.scalar_type()) {
+          return lookup(base);
+        }
+      }
+      return -1;
+    }
     const Known& k = it->second;
     if (k.version >= 0 && (t.is_inference() || static_cast<int64_t>(t._version()) != k.version)) return -1;
     return k.entry;
@@ -318,6 +329,20 @@ using Found = std::vector<std::pair<std::string, at::Tensor>>;
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
 void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 0) {
   if (THPVariable_Check(value)) {
+    if (!THPVariable_CheckExact(value)) {
+      // A tensor subclass. A DTensor (tensor parallelism hands modules DTensor inputs and may
+      // return DTensor outputs) is recorded by its local shard, like the monitor's parameters:
+      // the kernels take plain tensors, and a rank's record describes what it holds.
+      PyObject* local = PyObject_GetAttrString(value, "_local_tensor");
+      if (local != nullptr && THPVariable_Check(local)) {
+        const at::Tensor t = THPVariable_Unpack(local);
+        Py_DECREF(local);
+        if (t.is_floating_point() || t.is_complex()) out.emplace_back(prefix, t);
+        return;
+      }
+      Py_XDECREF(local);
+      PyErr_Clear();
+    }
     const at::Tensor& t = THPVariable_Unpack(value);
     if (t.is_floating_point() || t.is_complex()) out.emplace_back(prefix, t);
     return;

@@ -95,8 +95,10 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
         # activation or loss (the same batch would overflow again and the scale would only collapse).
         handled = handled_step is not None and s.step == handled_step and s.phase == "backward"
         summary = TensorSummary.from_values(values(i), s.dtype, s.shape)
+        order = i if position is None else sum(1 for j in range(len(slots)) if position(j) < position(i))
         first[(s.step, s.phase)] = Incident(step=s.step, phase=s.phase, name=name, kind=s.kind, produced=produced,
-                                            summary=summary, rank=rank, inputs=bad_inputs, handled_by_scaler=handled)
+                                            summary=summary, rank=rank, inputs=bad_inputs, handled_by_scaler=handled,
+                                            order=order)
     return sorted(first.values(), key=lambda inc: (inc.step, PHASE_ORDER[inc.phase]))
 
 

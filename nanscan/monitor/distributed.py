@@ -62,35 +62,45 @@ def _device() -> torch.device:
 
 
 RANK_BITS = 20  # ranks below 2**20 (about a million)
-
-
-def agreement_key(local, rank: int) -> int:
-    """The (step, phase, cannot-tell, rank) order of an incident as one int64 (smaller = first);
-    ``NO_INCIDENT`` when there is none."""
-    if local is None:
-        return NO_INCIDENT
-    return (((int(local.step) * len(PHASE_ORDER) + PHASE_ORDER[local.phase]) * 2 + int(local.produced is None))
-            << RANK_BITS) | rank
-
-
 NO_INCIDENT = (1 << 63) - 1
+
+
+def _when(local) -> int:
+    """(step, phase) of an incident as one int64, smaller = earlier; ``NO_INCIDENT`` for none."""
+    return NO_INCIDENT if local is None else int(local.step) * len(PHASE_ORDER) + PHASE_ORDER[local.phase]
+
+
+def _which(local, rank: int) -> int:
+    """(production order, cannot tell, rank) of an incident as one int64, smaller = first."""
+    order = min(int(getattr(local, "order", 0)), (1 << 41) - 1)
+    return (((order << 1) | int(local.produced is None)) << RANK_BITS) | rank
+
+
+def _min_all(value: int) -> int:
+    dist = torch.distributed
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())  # host copy: once per checked step, like the records
 
 
 def agree(local):
     """Collective: every rank passes its own first incident to raise (or None) and gets back the
-    one every rank will report: the first in (step, phase, cannot-tell, rank) order, or None.
+    one every rank will report, or None: the earliest (step, phase); among the ranks with that one,
+    the earliest in production order (a collective -- a tensor-parallel all-reduce, a gradient
+    reduce-scatter -- spreads a fault to every rank, but the rank that made it records it first),
+    then one that can tell produced / propagated, then the lowest rank.
 
     Cost: one ``all_reduce(MIN)`` of one int64 per checked step -- 8 bytes per rank whatever the
-    world size (a tree or ring reduction: O(log world) latency) -- and, only when some rank has an
-    incident, one broadcast of that incident (pickled) from its rank."""
+    world size (a tree or ring reduction: O(log world) latency). Only when some rank has an
+    incident: one more such all_reduce (which rank) and one broadcast of that incident."""
     dist = torch.distributed
-    key = torch.tensor([agreement_key(local, dist.get_rank())], dtype=torch.int64, device=_device())
-    dist.all_reduce(key, op=dist.ReduceOp.MIN)
-    first = int(key.item())  # host copy: once per checked step, like the records
+    rank = dist.get_rank()
+    when = _when(local)
+    first = _min_all(when)
     if first == NO_INCIDENT:
         return None
-    src = first & ((1 << RANK_BITS) - 1)
-    box = [local if dist.get_rank() == src else None]
+    src = _min_all(_which(local, rank) if when == first else NO_INCIDENT) & ((1 << RANK_BITS) - 1)
+    box = [local if rank == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
 

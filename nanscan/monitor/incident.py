@@ -26,7 +26,10 @@ class Incident:
     for the loss, the model's outputs. ``inputs`` names the non-finite inputs when propagated.
     ``handled_by_scaler`` is True for a gradient (backward-phase) incident in a step whose update
     GradScaler skipped, i.e. AMP handled the overflow as designed (recorded, never raised). Forward
-    and loss incidents are never "handled": loss scaling cannot fix them.
+    and loss incidents are never "handled": loss scaling cannot fix them. ``order``: the value's
+    position in its rank's production order of the read (the ranks of one SPMD program record the
+    same sequence, so under torch.distributed the rank whose fault came first in the step is the
+    one reported, even where a collective then spread it to the others).
     """
 
     step: int
@@ -38,6 +41,7 @@ class Incident:
     rank: int = 0
     inputs: tuple = ()
     handled_by_scaler: bool = False
+    order: int = 0
 
     def __str__(self) -> str:
         s = self.summary

@@ -117,8 +117,9 @@ class Monitor:
         self.grad_sink = None
         if self.activation_grads:
             many = self._kernels_for(self._model_device())[1]
-            self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES,
-                                                None if many is torch.ops.nanscan.summarize_many.default else many)
+            default = many is torch.ops.nanscan.summarize_many.default and not self._sharded
+            # (A sharded model's output gradients may be DTensors: summarized as local shards, in Python.)
+            self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES, None if default else self._summarize_many)
         self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
         self.traced = TracedRows(self, infos, self._kernels_for)
         # Step state.
@@ -164,6 +165,8 @@ class Monitor:
         return kernels
 
     def _summarize_many(self, xs: list) -> torch.Tensor:
+        if self._sharded:  # (a DTensor module input or optimizer state: its local shard)
+            xs = distributed.local_shards(xs)
         return self._kernels_for(xs[0].device)[1](xs)
 
     def _wrap_scaler_step(self) -> None:
