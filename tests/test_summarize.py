@@ -189,8 +189,32 @@ def test_backend_choice_errors_and_env(monkeypatch):
 
 
 def test_records_are_device_tensors_without_host_sync():
+    # What a host sync is made of, seen from the dispatcher: an op that reads a value back to Python
+    # (.item(), bool(t), nonzero's size). record / records must call none of them -- checked here on
+    # CPU with a dispatch mode; tests/test_cuda.py checks the same with CUDA's sync debug mode.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
+             torch.ops.aten.nonzero.default, torch.ops.aten.equal.default}
+
+    class NoHostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(func)
+            if func in reads:
+                raise AssertionError(f"{func} reads a value back to the host")
+            return func(*args, **(kwargs or {}))
+
     x = torch.randn(100)
-    rec = nanscan.record(x)
+    xs = [x, torch.tensor([1.0, float("nan")]), torch.zeros(3, dtype=torch.bfloat16)]
+    with NoHostReads() as mode:
+        rec = nanscan.record(x)
+        many = nanscan.records(xs)
+    assert torch.ops.nanscan.summarize.default in mode.called  # (the mode saw the op itself)
+    assert many.shape == (3, nanscan.RECORD_SIZE) and many.dtype == torch.float64
     assert rec.dtype == torch.float64 and rec.shape == (nanscan.RECORD_SIZE,) and rec.device == x.device
     meta = nanscan.record(torch.empty(10, device="meta"))  # the fake kernel: shape propagation only
     assert meta.device.type == "meta" and meta.shape == (nanscan.RECORD_SIZE,)
