@@ -11,7 +11,7 @@ export MAX_JOBS ?= 2
 # Benchmarks in quick mode: a few rounds each, enough for the ratio table, not for publication.
 QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-warmup=off -p no:randomly
 
-.PHONY: test demo build bench bench-full info clean
+.PHONY: test test-compat demo build bench bench-full info clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,20 @@ bench: build
 
 demo: build
 	$(PY) -m nanscan demo
+
+# The GPU machine's stack (torch 2.11 / triton 3.6): the same extension and test suite in a second
+# venv (the third-party model tests skip there: their pins target the newest torch).
+COMPAT_VENV ?= .venv-compat
+COMPAT_TORCH ?= 2.11.0
+test-compat:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install --upgrade "pip>=23" setuptools wheel
+	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib
+	TORCH_CUDA_ARCH_LIST="9.0" $(COMPAT_VENV)/bin/python -m pip install --no-build-isolation --no-deps -e .  # (sm_90: the H200)
+	$(COMPAT_VENV)/bin/python -m nanscan info
+	$(COMPAT_VENV)/bin/python -m pytest -q tests
+	# the compat build replaced nanscan/_C*.so: the main venv's build stamp is void
+	rm -f $(VENV)/.built
 
 info: build
 	$(PY) -m nanscan info

@@ -58,6 +58,39 @@ __all__ = ["INTERPRETING", "SUPPORTED_TEXT", "summarize", "summarize_many"]
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+
+def _interpreter_index_of_one_element_blocks() -> None:
+    """Triton's interpreter runs scalars as 1-element numpy arrays; before triton 3.7 its
+    ``tensor.__index__`` was ``int(data)``, which numpy >= 2.4 refuses for a 1-D array ("only
+    0-dimensional arrays can be converted to Python scalars"), so ``range(0, n)`` over a computed
+    bound fails under the interpreter (the GPU compile path is not affected). Triton 3.8 squeezes
+    the array first; this gives older interpreters the same ``__index__``. Interpreter only."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - triton without an interpreter module
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_nanscan_squeeze", False):
+        return
+    import inspect
+
+    try:
+        if "squeeze()" in inspect.getsource(original):  # triton >= 3.7: nothing to do
+            return
+    except (OSError, TypeError):  # pragma: no cover - no source: patch anyway, it is harmless
+        pass
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched._nanscan_squeeze = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETING:
+    _interpreter_index_of_one_element_blocks()
+
 RECORD_SIZE = 8
 _INF = float("inf")
 _IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0]
@@ -175,7 +208,10 @@ def _decode_fp8(raw, KIND: tl.constexpr):
     mag = tl.where(e == 0, sub, normal)
     mag = tl.where(isinf, float("inf"), mag)
     mag = tl.where(isnan, float("nan"), mag)
-    return tl.where(neg, -mag, mag)
+    # The sign as a bit, not `-mag`: negating 0.0 must give -0.0, which some Triton interpreters
+    # (3.6: 0 - x) do not.
+    sign = neg.to(tl.int32) << 31
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
