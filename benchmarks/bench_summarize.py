@@ -89,6 +89,25 @@ def test_python_loop_of_summarize(params, run_bench, backend):
               f"loop of nanscan.record[{backend}]")
 
 
+GROUP_SMALL = "many small: 2000 x 64 floats"
+
+
+@pytest.fixture(scope="module")
+def small_tensors():
+    """The host path: per-call cost per tensor dominates (issue 12: records / _foreach_norm <= 1.0)."""
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randn(64, generator=gen).to(DEVICE) for _ in range(2000)]
+
+
+def test_small_foreach_norm_baseline(small_tensors, run_bench):
+    run_bench(lambda: torch._foreach_norm(small_tensors), GROUP_SMALL, "torch._foreach_norm", baseline=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_records(small_tensors, run_bench, backend):
+    run_bench(lambda: nanscan.records(small_tensors, backend=backend), GROUP_SMALL, f"nanscan.records[{backend}]")
+
+
 GROUP_LAYOUT = "layouts fp32 16M"
 
 
