@@ -23,8 +23,10 @@ def planted(n, dtype=torch.float32):
 def test_cuda_graph_capture_single_and_many(backend):
     x, ys = planted(1 << 20), [planted(1000), planted(70001, torch.bfloat16), torch.zeros(5, device="cuda")]
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture
-        nanscan.record(x, backend=backend), nanscan.records(ys, backend=backend)
+    with torch.cuda.stream(stream):  # warm up (Triton compiles) outside the capture -- every path
+        nanscan.record(x, backend=backend), nanscan.records(ys, backend=backend)  # the capture takes:
+        for y in ys:  # under capture the multi-tensor call runs per tensor (no host-built table)
+            nanscan.record(y, backend=backend)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

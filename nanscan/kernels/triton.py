@@ -418,7 +418,14 @@ def _device_guard(device: torch.device):
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether ``device``'s current stream is capturing a CUDA graph (asked of that device, which
+    need not be the current one)."""
+    if device.type != "cuda":
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _iters_for(nblocks: int) -> int:
