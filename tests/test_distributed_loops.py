@@ -2,23 +2,15 @@
 DDP with no_sync() gradient accumulation (2 ranks), FSDP2 with activation checkpointing
 (2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
 fault's real step and phase, once."""
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import nanscan
+from tests import ranks
 from tests.test_fsdp import Faulty
-
-
-def _incident(seen, e):
-    inc = e.incident
-    seen.update(step=inc.step, phase=inc.phase, name=inc.name, produced=inc.produced, rank=inc.rank)
 
 
 def ddp_no_sync(rank, fault):
@@ -43,7 +35,7 @@ def ddp_no_sync(rank, fault):
                 opt.zero_grad()
             seen["ledger"] = [mon.ledger.attempted, mon.ledger.applied]
     except nanscan.NonFiniteError as e:
-        _incident(seen, e)
+        seen.update(ranks.incident_of(e))
         seen["ledger"] = [mon.ledger.attempted, mon.ledger.applied]
     return seen
 
@@ -77,23 +69,11 @@ def fsdp_checkpoint(rank, fault, use_reentrant):
     for m in (model.inp, model.block, model.out):
         fully_shard(m)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen = {}
-    try:
-        with nanscan.watch(model, opt):
-            for step in range(4):
-                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank))
-                model.block.faulty.mode = fault if (rank == 1 and step == 2) else None
-                model(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-    except nanscan.NonFiniteError as e:
-        _incident(seen, e)
-    return seen
+    return ranks.planted_run(model, model.block.faulty, rank, fault,
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
 
 
-def worker2(rank, world, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+def worker2(rank, world):
     results = {}
     for fault in ("forward", "backward"):
         results[f"ddp-{fault}"] = ddp_no_sync(rank, fault)
@@ -101,21 +81,15 @@ def worker2(rank, world, out_dir):
         for reentrant in (False, True):
             results[f"ckpt-{fault}-{reentrant}"] = fsdp_checkpoint(rank, fault, reentrant)
             dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    os._exit(0)
+    return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
-    mp.spawn(worker2, args=(2, str(tmp_path)), nprocs=2, join=True)
-    for r in range(2):
-        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, results in enumerate(ranks.spawn(worker2, 2, tmp_path)):
         for fault in ("forward", "backward"):
             ddp = results[f"ddp-{fault}"]
-            assert (ddp.get("step"), ddp.get("phase"), ddp.get("name"), ddp.get("produced"), ddp.get("rank")) == (
-                2, fault, "module.2", True, 1), (r, fault, ddp)  # (watch(ddp_model): names under "module.")
+            assert ranks.key(ddp) == (2, fault, "module.2", True, 1), (r, fault, ddp)  # (names under "module.")
             assert ddp["ledger"] == [3, 2], ddp  # one step per optimizer.step, not per micro-step
             for reentrant in (False, True):
                 seen = results[f"ckpt-{fault}-{reentrant}"]
@@ -126,8 +100,7 @@ def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
                     # gradient, and nanscan says it cannot tell (produced=None), never "produced".
                     assert (seen.get("step"), seen.get("phase"), seen.get("produced")) == (2, "backward", None), seen
                     continue
-                assert (seen.get("step"), seen.get("phase"), seen.get("name"), seen.get("produced"),
-                        seen.get("rank")) == (2, fault, "block.faulty", True, 1), (r, fault, reentrant, seen)
+                assert ranks.key(seen) == (2, fault, "block.faulty", True, 1), (r, fault, reentrant, seen)
 
 
 def fsdp_x_tp(rank, mesh, fault):
@@ -138,25 +111,13 @@ def fsdp_x_tp(rank, mesh, fault):
     model = nn.Sequential(nn.Linear(8, 16), Faulty(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     dp_rank = mesh["dp"].get_local_rank()
-    seen = {}
-    try:
-        with nanscan.watch(model, opt):
-            for step in range(4):
-                # the same batch within a tensor-parallel group, different ones across data-parallel ranks
-                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank))
-                model[1].mode = fault if (rank == 1 and step == 2) else None
-                model(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-    except nanscan.NonFiniteError as e:
-        _incident(seen, e)
-    return seen
+    # the same batch within a tensor-parallel group, different ones across data-parallel ranks
+    return ranks.planted_run(model, model[1], rank, fault,
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)))
 
 
-def worker4(rank, world, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+def worker4(rank, world):
     from torch.distributed.tensor import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -164,17 +125,11 @@ def worker4(rank, world, out_dir):
     for fault in ("forward", "backward"):
         results[fault] = fsdp_x_tp(rank, mesh, fault)
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    os._exit(0)
+    return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp_x_tensor_parallel_on_a_2d_mesh_names_rank_1(tmp_path):
-    mp.spawn(worker4, args=(4, str(tmp_path)), nprocs=4, join=True)
-    for r in range(4):
-        results = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, results in enumerate(ranks.spawn(worker4, 4, tmp_path)):
         for fault, seen in results.items():
-            assert (seen.get("step"), seen.get("phase"), seen.get("name"), seen.get("produced"), seen.get("rank")) == (
-                2, fault, "1", True, 1), (r, fault, seen)
+            assert ranks.key(seen) == (2, fault, "1", True, 1), (r, fault, seen)

@@ -1,19 +1,16 @@
 """FSDP2 (fully_shard) on 2 gloo ranks: watch a sharded model; faults planted on rank 1 only are
 named on every rank (same step, phase, module, produced, first failing rank 1); parameters and
 gradients are summarized shard-locally (their DTensors' local shards, never all-gathered)."""
-import json
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-import nanscan
+from tests import ranks
 
 CONFIGS = {"reshard": dict(reshard_after_forward=True), "no-reshard": dict(reshard_after_forward=False),
            "bf16-params": dict(reshard_after_forward=True, bf16=True)}
+FAULTS = ("forward", "backward", "batch", "update")
 
 
 class Faulty(nn.Module):
@@ -47,63 +44,30 @@ def make_model(config):
     return model
 
 
-def scenario(rank, config, fault):
-    """4 steps; at step 2, rank 1 only gets the fault. Returns what this rank saw."""
-    model = make_model(config)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    seen = {}
-    try:
-        with nanscan.watch(model, opt) as mon:
-            seen["sharded"] = mon._sharded
-            for step in range(4):
-                g = torch.Generator().manual_seed(100 * step + rank)
-                x = torch.randn(4, 8, generator=g)
-                planted = rank == 1 and step == 2
-                model[3].mode = fault if planted and fault in ("forward", "backward") else None
-                if planted and fault == "batch":
-                    x[1, 3] = float("nan")
-                model(x).pow(2).mean().backward()
-                if planted and fault == "update":  # a huge (finite) gradient on rank 1's shard: the update overflows
-                    model[2].weight.grad._local_tensor.fill_(1e38)
-                    for group in opt.param_groups:
-                        group["lr"] = 1e3
-                opt.step()
-                opt.zero_grad()
-    except nanscan.NonFiniteError as e:
-        inc = e.incident
-        seen.update(step=inc.step, phase=inc.phase, name=inc.name, produced=inc.produced, rank=inc.rank,
-                    shape=list(inc.summary.shape))
-    return seen
-
-
-def worker(rank, world, out_dir, config_name):
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
+def worker(rank, world, config_name):
     results = {}
-    for fault in ("forward", "backward", "batch", "update"):
-        results[fault] = scenario(rank, CONFIGS[config_name], fault)
+    for fault in FAULTS:
+        model = make_model(CONFIGS[config_name])
+        results[fault] = ranks.planted_run(  # data parallel: every rank its own batch
+            model, model[3], rank, fault, lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(
+                100 * step + rank)), update_param=model[2].weight)
         dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    os._exit(0)  # (see test_distributed.py: gloo's threads can abort at interpreter teardown)
+    return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 @pytest.mark.parametrize("config_name", list(CONFIGS))
 def test_fsdp2_faults_on_rank_1_are_named_on_every_rank(tmp_path, config_name):
-    mp.spawn(worker, args=(2, str(tmp_path), config_name), nprocs=2, join=True)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     expected = {
         "forward": (2, "forward", "3", True),
         "backward": (2, "backward", "3", True),
         "batch": (2, "forward", "0", False),  # propagated from rank 1's batch
         "update": (2, "update", "2.weight", True),
     }
-    for r in results:
-        for fault, (step, phase, name, produced) in expected.items():
+    for r in ranks.spawn(worker, 2, tmp_path, config_name):
+        for fault, want in expected.items():
             seen = r[fault]
             assert seen["sharded"], "FSDP2's parameters are DTensors"
-            assert (seen.get("step"), seen.get("phase"), seen.get("name"), seen.get("produced"), seen.get("rank")) == (
-                step, phase, name, produced, 1), (fault, seen)
+            assert ranks.key(seen) == want + (1,), (fault, seen)
         # parameters are summarized shard-locally: rank 1's half of the 16x16 weight
         assert r["update"]["shape"] == [8, 16]

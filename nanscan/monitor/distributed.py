@@ -20,21 +20,13 @@ from typing import Optional
 import torch
 
 from nanscan.monitor.incident import PHASE_ORDER
+from nanscan.sharded import dtensor_type, is_dtensor
 from nanscan.record import Field
-
-
-def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without torch.distributed.tensor
-        return None
-    return DTensor
 
 
 def has_dtensors(tensors) -> bool:
     """Whether any of ``tensors`` is a DTensor (FSDP2's sharded parameters, tensor parallelism)."""
-    dtensor = _dtensor_type()
-    return dtensor is not None and any(isinstance(t, dtensor) for t in tensors)
+    return any(is_dtensor(t) for t in tensors)
 
 
 def local_shards(tensors: list) -> list:
@@ -45,7 +37,7 @@ def local_shards(tensors: list) -> list:
     shard (its summary counts and shape are the shard's). ``_local_tensor`` rather than
     ``to_local()``: the same tensor without a differentiable view and DTensor's per-call
     dispatch, hundreds of times per step."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
