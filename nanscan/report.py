@@ -15,7 +15,7 @@ API (plain functions; ``python -m nanscan report`` builds on them)::
     load_events(path) -> list[dict]        # own tolerant parser: a truncated line is skipped, noted
     parse_events(lines) -> list[dict]      # the same over lines already read
     summarize_log(events, window=5) -> dict
-    summarize(path) -> dict                # log or bundle
+    summarize_run(path) -> dict            # log or bundle
     text_report(path) -> str               # no matplotlib needed
     plot_report(path, out_png) -> str      # 4-panel timeline, needs matplotlib (Agg, no pyplot)
     html_report(path, out_html, png=None) -> str
@@ -378,7 +378,7 @@ def _is_bundle(path: str) -> bool:
     return manifest_path is not None and (os.path.isdir(path) or os.path.isfile(manifest_path))
 
 
-def summarize(path: str, window: int = 5) -> dict:
+def summarize_run(path: str, window: int = 5) -> dict:
     """:func:`summarize_log` of a JSONL log, or :func:`summarize_bundle` of a bundle directory."""
     path = os.fspath(path)
     if _is_bundle(path):
@@ -562,7 +562,7 @@ def format_summary(summary: dict) -> str:
 
 def text_report(path: str) -> str:
     """A short readable summary of a JSONL event log or a bundle (no matplotlib needed)."""
-    return format_summary(summarize(path))
+    return format_summary(summarize_run(path))
 
 
 # ---------------------------------------------------------------------------- plot
@@ -739,13 +739,13 @@ def plot_report(path: str, out_png: str) -> str:
     with the module and phase, non-finite values are markers along a panel's top edge. Needs
     matplotlib (``ImportError`` with the install hint otherwise)."""
     _require_matplotlib()  # before reading anything: the hint is the answer when it is missing
-    return plot_summary(summarize(path), out_png)
+    return plot_summary(summarize_run(path), out_png)
 
 
 # ---------------------------------------------------------------------------- html
 def html_report(path: str, out_html: str, png: Optional[str] = None) -> str:
     """A self-contained HTML page: the text summary, and the PNG at ``png`` embedded as base64."""
-    summary = summarize(path)
+    summary = summarize_run(path)
     text = format_summary(summary)
     image = ""
     if png is not None:

@@ -203,7 +203,7 @@ def test_bundle_gives_a_text_report_without_timeline(tmp_path):
     text = report.text_report(str(bundle))
     assert "no timeline" in text and "'block.act' at step 20, phase forward" in text
     assert "autocast: cuda float16" in text and "state before-update" in text and "torch 2.14.1" in text
-    s = report.summarize(str(bundle))
+    s = report.summarize_run(str(bundle))
     assert s["source"] == "bundle" and not s["timeline"] and s["focus"]["step"] == 20
     assert "block.act" in report.text_report(str(bundle / "manifest.json"))
     try:

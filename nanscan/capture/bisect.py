@@ -14,7 +14,8 @@ from nanscan.capture.replay import _autocast, _float_tensors, prepare, run_step
 from nanscan.record import TensorSummary
 from nanscan.summary import summarize
 
-BACKENDS = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
+# torch.compile backends (not nanscan's kernel backends, nanscan.BACKENDS)
+COMPILE_BACKENDS = ("eager", "aot_eager", "aot_eager_decomp_partition", "inductor")
 
 
 @dataclasses.dataclass
@@ -36,7 +37,7 @@ class BackendResult:
 
 
 def bisect_backends(bundle, model: torch.nn.Module, forward: Optional[Callable] = None,
-                    backends=BACKENDS) -> dict:
+                    backends=COMPILE_BACKENDS) -> dict:
     """Run the bundle's step (forward only) under each backend, restoring the recorded state and
     pre-step RNG before each run; returns ``{backend: BackendResult}`` in ``backends`` order."""
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
