@@ -28,7 +28,8 @@
 //       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
-//     pre(info, module, args, kwargs), post(info, module, args, kwargs, output)
+//     fast_hooks() -> (pre, post): pre(info, module, args, kwargs), post(info, module, args, kwargs,
+//       output) as plain C functions
 //     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
 //     owner.model_loss(output) are called back for the rare events
 #include "grad_sink.h"
@@ -640,8 +641,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Hooks, std::shared_ptr<Hooks>>(m, "Hooks")
       .def(py::init<std::vector<std::string>, py::list, std::vector<bool>, std::vector<bool>, std::shared_ptr<Window>,
                     std::shared_ptr<Window>, std::shared_ptr<GradSink>, py::object>())
-      .def("pre", &Hooks::pre)
-      .def("post", &Hooks::post)
       .def("fast_hooks", [](const std::shared_ptr<Hooks>& self) { return fast_hooks(self); },
            "(pre, post) with the same arguments, as plain functions (no pybind11 dispatch per call)")
       .def("reset", &Hooks::reset)

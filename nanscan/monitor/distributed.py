@@ -64,7 +64,7 @@ def _when(local) -> int:
 
 def _which(local, rank: int) -> int:
     """(production order, cannot tell, rank) of an incident as one int64, smaller = first."""
-    order = min(int(getattr(local, "order", 0)), (1 << 41) - 1)
+    order = min(int(local.order), (1 << 41) - 1)
     return (((order << 1) | int(local.produced is None)) << RANK_BITS) | rank
 
 

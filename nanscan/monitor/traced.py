@@ -161,20 +161,20 @@ class TracedRows:
         self.default_kernels = False
         self.buffer: Optional[torch.Tensor] = None
         self.counter: Optional[torch.Tensor] = None
-        self.base = {}
+        base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
         self.rows: list = []
         by_name = {info.name: info for info in infos}
         for info in infos:
-            self.base[info.name] = info.row_base = len(self.rows)
+            base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
-            parent_inputs = () if parent is None else tuple(range(self.base.get(parent.name, 0),
-                                                                  self.base.get(parent.name, 0) + INPUTS))
+            parent_inputs = () if parent is None else tuple(range(base.get(parent.name, 0),
+                                                                  base.get(parent.name, 0) + INPUTS))
             for k in range(INPUTS):
                 if parent is None:
                     self.rows.append(_RowInfo(f"{info.name}.input[{k}]", info, (), False, False, False, k, module=info))
                 else:
                     self.rows.append(_RowInfo(parent.name, parent, parent_inputs, True, True, False, k, module=info))
-            own_inputs = tuple(range(self.base[info.name], self.base[info.name] + INPUTS))
+            own_inputs = tuple(range(base[info.name], base[info.name] + INPUTS))
             for k in range(OUTPUTS):
                 self.rows.append(_RowInfo(info.name if k == 0 else f"{info.name}[output {k}]", info, own_inputs,
                                           True, False, True, k, module=info))
