@@ -5,9 +5,13 @@ before triton is imported), so shapes stay small. Besides the public ``summarize
 ``summarize_many`` these tests drive the pointer-table multi-tensor path (``_summarize_many_table``,
 the CUDA implementation of ``summarize_many``: under the interpreter its "device" pointers are CPU
 addresses) and small tile / chunk overrides so that multi-tile chunks, masked tails and the
-chunk-combining stage are exercised at these sizes.
+chunk-combining stage are exercised at these sizes. The last section checks the two-pass stage 1
+(a fast pass per chunk, a rescan only of chunks with a NaN / +-inf or an overflowing square: under
+the interpreter the tests count the rescans), 64-bit offsets, and that the multi-tensor launches'
+specialization keys do not depend on the list length.
 """
 import math
+import operator
 
 import pytest
 import torch
@@ -30,8 +34,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 SIZES = [1, 7, 5000]  # 5000 crosses the default 1024-element tile several times
 INF, NAN = float("inf"), float("nan")
 
-# The interpreter evaluates the kernels with numpy, which warns where float32 squares overflow.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+# The interpreter evaluates the kernels with numpy, which warns where float32 squares overflow, and
+# (triton 3.6) where the fast path's min / max reduce lanes that are all NaN (such a chunk is
+# rescanned; the fast path's min / max are discarded).
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
 
 
 def check(x, got=None, what=""):
@@ -64,11 +71,14 @@ def test_multi_tile_chunks(dtype):
         assert_record_matches(tk.summarize(xs, _block=64, _iters=3), reference.summarize(xs), xs, f"n={n}")
 
 
-@pytest.mark.parametrize("fill", [NAN, 0.0, -INF])
-def test_packed_counters_do_not_overflow(fill):
-    """127 tiles per chunk (the most the packed per-lane counters allow), every element counted."""
-    x = torch.full((16 * 127 * 2 + 5,), fill, device=DEVICE)
-    assert_record_matches(tk.summarize(x, _block=16, _iters=127), reference.summarize(x), x)
+@pytest.mark.parametrize(("fill", "iters", "chunks"), [(NAN, 127, 2), (0.0, 127, 2), (-INF, 127, 2),
+                                                      (NAN, 255, 1), (INF, 255, 1), (-INF, 255, 1)])
+def test_packed_counters_do_not_overflow(fill, iters, chunks):
+    """Up to 255 tiles per chunk (tk._MAX_ITERS_PACKED, the most the rescan's packed per-lane
+    counters allow: 4 * 255 elements per lane), every element counted."""
+    assert tk._MAX_ITERS_PACKED == 255
+    x = torch.full((16 * iters * chunks + 5,), fill, device=DEVICE)
+    assert_record_matches(tk.summarize(x, _block=16, _iters=iters), reference.summarize(x), x)
 
 
 @pytest.mark.parametrize("dtype", FLOAT8_ALL, ids=str)
@@ -225,3 +235,216 @@ def test_record_roundtrip_sanity():
     assert rec[:4] == [1.0, 2.0, 1.0, 2.0]
     assert rec[4:6] == [-4.0, 3.0] and rec[6] == 25.0 and rec[7] == 4.0
     assert not any(math.isnan(v) for v in rec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fast path + rescan (issue 12): a chunk is rescanned only when its fast pass saw a non-finite value
+# --------------------------------------------------------------------------------------------------
+
+BLOCK, ITERS = 64, 2  # chunks of 128 elements: small tensors still cover many chunks
+CHUNK = BLOCK * ITERS
+
+
+@pytest.fixture
+def rescans(monkeypatch):
+    """For every rescan the kernels ran, the offset of its chunk in its tensor; None on a GPU. Under the interpreter a kernel looks its callees up in the module at every call, so a
+    counting wrapper around ``_rescan`` sees each one."""
+    if not tk.INTERPRETING:
+        return None
+    starts = []
+    original = tk._rescan
+
+    def counting(p, start, *args):
+        starts.append(operator.index(start))
+        return original(p, start, *args)
+
+    monkeypatch.setattr(tk, "_rescan", counting)
+    return starts
+
+
+def chunks_needing_rescan(x, chunk=CHUNK):
+    """Starts of the chunks of x (flat) that hold a NaN / +-inf or whose squares overflow."""
+    flat = reference.normalize_input(x).reshape(-1)
+    out = []
+    for s in range(0, flat.numel(), chunk):
+        rec = reference.summarize(flat[s:s + chunk])
+        if rec[0] + rec[1] + rec[2] > 0 or math.isinf(rec[6].item()):
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, FLOAT8_ALL[1]], ids=str)
+@pytest.mark.parametrize("n", [1024, 1000])  # the last chunk full / partial (masked loads)
+def test_nonfinite_in_last_chunk_only(dtype, n, rescans):
+    gen = torch.Generator().manual_seed(stable_seed("last", str(dtype), n))
+    v = special_values("random", n, gen)
+    v[[n - 1, n - 30]] = torch.tensor([NAN, -INF], dtype=torch.float64)
+    x = cast(v, dtype).to(DEVICE)
+    assert_record_matches(tk.summarize(x, _block=BLOCK, _iters=ITERS), reference.summarize(x), x)
+    if rescans is not None:
+        assert rescans == [(n - 1) // CHUNK * CHUNK]  # the last chunk, and only it
+    assert_record_matches(tk._summarize_many_table([x], _block=BLOCK, _iters=ITERS)[0], reference.summarize(x), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_nonfinite_in_several_chunks_first_index_is_global(dtype, rescans):
+    """Non-finite values in chunks 2, 5 and 7: the first index is the global minimum, although a
+    later chunk holds one at a smaller chunk-local index (643 is local 3; 356 is local 100)."""
+    gen = torch.Generator().manual_seed(5)
+    v = special_values("random", 1000, gen)
+    v[[356, 380, 643, 999]] = torch.tensor([INF, NAN, NAN, -INF], dtype=torch.float64)
+    x = cast(v, dtype).to(DEVICE)
+    rec = tk.summarize(x, _block=BLOCK, _iters=ITERS)
+    assert rec[7].item() == 356.0
+    assert_record_matches(rec, reference.summarize(x), x)
+    if rescans is not None:
+        assert rescans == [2 * CHUNK, 5 * CHUNK, 7 * CHUNK]
+    rows = tk._summarize_many_table([x.flip(0), x], _block=BLOCK, _iters=ITERS)
+    assert rows[1, 7].item() == 356.0 and rows[0, 7].item() == 0.0
+    assert_record_matches(rows[0], reference.summarize(x.flip(0)), x)
+
+
+NONFINITE_PATTERNS = [(dt, pat) for dt in (torch.float32, torch.float64, torch.bfloat16, *FLOAT8_ALL[:2])
+                      for pat in ("nan", "inf", "cycle") if pat == "nan" or torch.tensor(INF).to(dt).float().isinf()]
+
+
+@pytest.mark.parametrize(("dtype", "pattern"), NONFINITE_PATTERNS, ids=str)
+def test_all_values_nonfinite(dtype, pattern, rescans):
+    """Every chunk is rescanned; no finite element: min +inf, max -inf, sumsq 0, first index 0."""
+    n = 1000
+    if pattern == "cycle":
+        v = torch.tensor([NAN, INF, -INF], dtype=torch.float64).repeat(n // 3 + 1)[:n]
+    else:
+        v = torch.full((n,), NAN if pattern == "nan" else INF, dtype=torch.float64)
+    x = cast(v, dtype).to(DEVICE)
+    want = reference.summarize(x)
+    assert want[4].item() == INF and want[5].item() == -INF and want[7].item() == 0.0
+    for got in (tk.summarize(x, _block=BLOCK, _iters=ITERS), tk.summarize(x)):
+        assert_record_matches(got, want, x)
+    if rescans is not None:
+        assert rescans[: math.ceil(n / CHUNK)] == list(range(0, n, CHUNK))
+
+
+def test_mixed_list_some_tensors_rescanned(rescans):
+    """One multi-tensor launch group holds clean tensors (never rescanned) next to tensors with
+    non-finite values or overflowing squares (only their affected chunks are rescanned); integers
+    are finite and never rescanned."""
+    gen = torch.Generator().manual_seed(6)
+
+    def planted(n, dtype, where, values):
+        v = special_values("random", n, gen)
+        v[where] = torch.tensor(values, dtype=torch.float64)
+        return cast(v, dtype)
+
+    xs = [
+        cast(special_values("random", 700, gen), torch.float32),  # clean, several chunks
+        planted(700, torch.float32, [300, 310], [NAN, INF]),  # chunk 2 only
+        cast(special_values("random", 300, gen), torch.float64),  # clean
+        planted(300, torch.float64, [0], [-INF]),  # chunk 0
+        cast(special_values("overflow_sumsq", 200, gen), torch.bfloat16),  # finite, squares overflow FP32
+        cast(special_values("mixed", 500, gen), torch.int32),  # integers: never rescanned
+        planted(257, torch.float32, [256], [NAN])[1:],  # not 16-byte aligned; NaN in the masked tail
+        cast(special_values("random", 130, gen), torch.float32),  # clean, tail in the second chunk
+        planted(130, FLOAT8_ALL[1], [129], [NAN]),  # float8: NaN decoded in the kernel
+        cast(special_values("mixed", 1, gen), torch.float32),
+    ]
+    xs = [x.to(DEVICE) for x in xs]
+    expected = sorted(s for x in xs if x.dtype.is_floating_point for s in chunks_needing_rescan(x))
+    assert 4 <= len(expected) < sum(math.ceil(x.numel() / CHUNK) for x in xs) - 5  # some, not all
+    for impl in ("table", "summarize_many"):
+        if rescans is not None:
+            rescans.clear()
+        if impl == "table":
+            got = tk._summarize_many_table(xs, _block=BLOCK, _iters=ITERS)
+        else:  # default tiles: each tensor is one chunk
+            got = tk.summarize_many(xs)
+        for i, x in enumerate(xs):
+            assert_record_matches(got[i], reference.summarize(x), x, f"{impl} row {i}")
+        if rescans is not None and impl == "table":
+            assert sorted(rescans) == expected
+
+
+def test_offsets_beyond_2_31_elements():
+    """64-bit offsets without 8 GiB: a tensor of 2**31 + 300 float32 elements whose data pointer
+    lies 2**31 elements before a real 300-element buffer, of which stage 1 scans the last three
+    chunks (through the table: its first-chunk entry is shifted so that those chunks are the
+    launch's first). Any 32-bit offset or index would wrap and read or report the wrong place."""
+    gen = torch.Generator().manual_seed(7)
+    tail = special_values("random", 300, gen)
+    tail[[7, 200]] = torch.tensor([NAN, -INF], dtype=torch.float64)
+    buf = tail.float().to(DEVICE)
+    big = 2**31 + 300
+    skipped = 2**31 // CHUNK  # chunks before the buffer
+    nch = 3
+    rows = [buf.data_ptr() - 2**31 * buf.element_size(), big, -skipped, nch, 0] + [0] * nch
+    meta = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    part_i = torch.empty(5 * nch, dtype=torch.int64, device=DEVICE)
+    part_f = torch.empty(3 * nch, dtype=torch.float64, device=DEVICE)
+    kind, acc64, _ = tk._DTYPE_INFO[torch.float32]
+    tk._stage1_kernel[(nch,)](meta, 0, ITERS, meta, 1, 0, part_i, part_f, nch, KIND=kind, ACC64=acc64,
+                              CODE=tk._PTR_CODE[torch.float32], MULTI=True, ALIGNED=False, BLOCK=BLOCK,
+                              num_warps=tk._NUM_WARPS)
+    out = torch.empty(8, dtype=torch.float64, device=DEVICE)
+    tk._stage2_kernel[(1,)](part_i, part_f, nch, out, nch, 0, part_i, 0, MULTI=False, BLOCK2=tk._STAGE2_BLOCK,
+                            num_warps=tk._NUM_WARPS)
+    want = reference.summarize(buf)
+    want[7] = 2**31 + 7
+    assert part_i[4 * nch:].tolist() == [2**31 + 7, 2**31 + 200, 2**63 - 1]
+    assert_record_matches(out, want, buf)
+
+
+class _SpecializationRecorder:
+    """Stands in for a kernel: records the specialization key Triton's own binder computes for each
+    launch (argument types, 16-byte alignment of pointers, value classes of integers not in
+    do_not_specialize, constexprs, options), then launches the real kernel. Two launches with the
+    same key share one compiled kernel."""
+
+    def __init__(self, kernel, do_not_specialize, keys):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime import jit as triton_jit
+
+        self.kernel, self.keys = kernel, keys
+        jf = triton_jit.JITFunction(kernel.fn, do_not_specialize=list(do_not_specialize))
+        backend = make_backend(GPUTarget("cuda", 90, 32))  # no GPU needed to build a backend
+        self.binder = triton_jit.create_function_from_signature(jf.signature, jf.params, backend)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, specialization, options = self.binder(*args, **kwargs)
+            self.keys.add((self.kernel.fn.__name__, repr(specialization), repr(sorted(options.items()))))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_list_length_parity_does_not_change_specialization(monkeypatch):
+    """The multi-tensor launches of lists of even and odd length, over the same dtype / alignment
+    groups, have identical specialization keys: one compile per group, whatever the list length
+    (the tables are passed as one pointer and an integer row length, never as slices)."""
+    keys: set = set()
+    for name, dns in (("_stage1_kernel", tk._STAGE1_DO_NOT_SPECIALIZE),
+                      ("_stage2_kernel", tk._STAGE2_DO_NOT_SPECIALIZE)):
+        try:
+            recorder = _SpecializationRecorder(getattr(tk, name), dns, keys)
+        except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - triton internals moved
+            pytest.skip(f"this triton has no binder to compute specialization keys with: {e!r}")
+        monkeypatch.setattr(tk, name, recorder)
+    gen = torch.Generator().manual_seed(8)
+
+    def tensor(i):  # cycles through the four groups: fp32, fp64, int32, fp32 not 16-byte aligned
+        x = cast(special_values("mixed", 40 + 97 * i, gen), (torch.float32, torch.float64, torch.int32,
+                                                             torch.float32)[i % 4]).to(DEVICE)
+        return x[1 + i % 3:] if i % 4 == 3 else x
+
+    pool = [tensor(i) for i in range(17)]
+    per_length = {}
+    for length in (5, 6, 7, 8, 16, 17):  # 16: an integer argument divisible by 16 is specialized too
+        xs = pool[:length]  # every group in every list
+        keys.clear()
+        got = tk._summarize_many_table(xs)
+        for i, x in enumerate(xs):
+            assert_record_matches(got[i], reference.summarize(x), x, f"length {len(xs)} row {i}")
+        per_length[len(xs)] = frozenset(keys)
+    assert len(per_length) == 6 and len(set(per_length.values())) == 1, per_length
+    assert len(next(iter(per_length.values()))) == 5  # fp32, fp64, int32, unaligned fp32, stage 2

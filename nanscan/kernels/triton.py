@@ -7,11 +7,17 @@ deterministic stages, with no atomics:
 
 stage 1 (``_stage1_kernel``)
     One program per *chunk* of a flattened contiguous tensor. A chunk is ``iters`` tiles of ``BLOCK``
-    elements; the program keeps per-lane accumulators across its tiles (full tiles are loaded
-    without a mask, so they vectorize; at most one masked tail tile per chunk) and writes one
-    partial: nan / +inf / -inf / zero counts and the first non-finite index (int64), finite min,
-    finite max and sum of squares (stored as float64; min/max are exact, and the sum of squares of
-    a float32-accumulated chunk is a float32 value, so it is stored exactly too).
+    elements, a tile four 16-byte loads per thread (full tiles are loaded without a mask, so they
+    vectorize; the rest of a chunk, < BLOCK elements, is read one masked load at a time), and
+    writes one partial: nan / +inf / -inf / zero counts and the first non-finite index (int64),
+    finite min, finite max and sum of squares (stored as float64; min/max are exact, and the sum
+    of squares of a float32-accumulated chunk is a float32 value, so it is stored exactly too).
+    Like the CPU and CUDA kernels it assumes the chunk is clean and proves it afterwards: the fast
+    pass keeps only per-lane zero counts and min / max / sum of squares of the raw values; a NaN
+    or +-inf element turns its lane's sum of squares NaN or +inf, so only a chunk whose sum of
+    squares is not finite (a non-finite element, or squares that overflowed) is read a second
+    time, classifying every element (``_rescan``). With every element non-finite a chunk is read
+    twice; integer chunks never are.
 stage 2 (``_stage2_kernel``)
     One program per tensor combines that tensor's partials in a fixed order (counts in int64, the
     sum of squares in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
@@ -41,8 +47,9 @@ Known limitations:
   the tables, and no host sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
   the "device" pointers are CPU addresses). During CUDA graph capture (where the pageable table
   copy is not allowed) ``summarize_many`` falls back to two launches per tensor.
-* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _TARGET_PROGRAMS, _MAX_ITERS) were chosen
-  from register counts of the compiled kernels, not tuned by measurement; see benchmarks/.
+* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS) were
+  chosen from register counts and instruction mixes of the kernels compiled ahead of time for
+  sm_90 (``benchmarks/triton_isa.py``), not tuned by measurement on a GPU.
 """
 
 import contextlib
@@ -127,15 +134,35 @@ for _name, _kind in (("float8_e4m3fn", _KIND_E4M3FN), ("float8_e5m2", _KIND_E5M2
     if hasattr(torch, _name):
         _DTYPE_INFO[getattr(torch, _name)] = (_kind, False, torch.uint8)
 
-# Launch configuration. Tile sizes give every thread 16-32 bytes per tile (one or two 128-bit
-# loads) with 4 warps; chunks grow to up to _MAX_ITERS tiles so that very large tensors produce a
+# Launch configuration. A tile is _UNROLL = 4 loads per thread. For floating inputs (fp64 / fp32 /
+# fp16 / bf16) each load is 16 bytes (a tile of 1024 / 2048 / 4096 elements with 4 warps), so
+# every thread has 64 bytes in flight -- what a memory-bound scan needs outstanding to cover
+# DRAM latency on H100 / H200; 16-32 bytes leave bandwidth unused. Integer, bool and float8 inputs
+# cost 12-26 instructions per element (conversion to float64, software float8 decoding): they are
+# bound by instruction issue, not by bandwidth, so they use 4 elements per load (_BLOCK_OTHER) and
+# stay at the register count of the float kernels (64 one-byte elements per thread would need
+# 150-190 registers). Chunks grow to up to _MAX_ITERS tiles so that very large tensors produce a
 # few thousand partials (stage 2 reads them with one program per tensor) while mid-sized tensors
-# still spread over >= _TARGET_PROGRAMS programs. Untuned on hardware: see the benchmarks.
-_BLOCK_BY_ITEMSIZE = {8: 512, 4: 1024, 2: 1024, 1: 1024}
+# still spread over >= _TARGET_PROGRAMS programs. Untuned on hardware: benchmarks/triton_isa.py
+# shows registers and instruction mixes.
 _NUM_WARPS = 4
+_UNROLL = 4  # loads per thread per tile; the kernels spell the four loads out (_tile_fast)
+_BLOCK_BY_ITEMSIZE = {s: _NUM_WARPS * 32 * _UNROLL * 16 // s for s in (8, 4, 2)}  # KIND_FLOAT
+_BLOCK_OTHER = _NUM_WARPS * 32 * _UNROLL * 4
 _TARGET_PROGRAMS = 2048
-_MAX_ITERS = 64  # <= 127: the packed per-lane counters have 7-8 bits per field
+_MAX_ITERS = 64
+# The rescan packs three per-lane counters into one int32, 10 bits each; a lane sees
+# iters * _UNROLL elements of a chunk, so iters <= 255 keeps every field <= 1020.
+_MAX_ITERS_PACKED = 1023 // _UNROLL
 _STAGE2_BLOCK = 256
+
+# Integer arguments that must not become part of a kernel's specialization key: Triton would
+# otherwise compile one variant per value class (== 1, divisible by 16) of each. Table offsets in
+# particular are integers here, not pointers into the middle of the table: a pointer's 16-byte
+# alignment is part of the key, and slices at multiples of the list length change alignment with
+# its parity (the even / odd recompile of issue 12). tests/test_triton.py recomputes the keys.
+_STAGE1_DO_NOT_SPECIALIZE = ("numel", "iters", "meta_rows", "chunk_offset", "total")
+_STAGE2_DO_NOT_SPECIALIZE = ("total", "nchunks", "acc64", "meta_rows")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -215,18 +242,20 @@ def _decode_fp8(raw, KIND: tl.constexpr):
 
 
 @triton.jit
-def _tile(p, loc, rem, counts, vmin, vmax, vss, vfirst,
-          KIND: tl.constexpr, ACC64: tl.constexpr, MASKED: tl.constexpr):
-    """Fold one tile (elements p[loc], loc < rem when MASKED) into the per-lane accumulators.
-
-    counts packs four per-lane counters into one int32 (bits 0-7 NaN, 8-15 +inf, 16-23 -inf,
-    24-30 zero); each lane sees at most `iters` <= 127 elements per chunk, so no field overflows.
-    vfirst is the smallest chunk-local index of a non-finite element per lane (2**31 - 1: none)."""
+def _load(p, loc, rem, MASKED: tl.constexpr):
+    """Raw elements p[loc]; with MASKED, lanes with loc >= rem read 0 (which every kernel below
+    then masks out of the zero count and min / max; 0 adds nothing to a sum of squares)."""
     if MASKED:
-        m = loc < rem
-        raw = tl.load(p + loc, mask=m, other=0)
+        raw = tl.load(p + loc, mask=loc < rem, other=0)
     else:
         raw = tl.load(p + loc)
+    return raw
+
+
+@triton.jit
+def _value(raw, KIND: tl.constexpr, ACC64: tl.constexpr):
+    """Raw elements -> the compute type: float64 for fp64 and integers, float32 otherwise (float8
+    decoded exactly, see _decode_fp8)."""
     if KIND == 0:
         if ACC64:
             v = raw.to(tl.float64)
@@ -236,58 +265,165 @@ def _tile(p, loc, rem, counts, vmin, vmax, vss, vfirst,
         v = raw.to(tl.float64)
     else:
         v = _decode_fp8(raw, KIND)
-    iszero = v == 0
+    return v
+
+
+@triton.jit
+def _fold_fast(v, loc, rem, zeros, vmin, vmax, vss, MASKED: tl.constexpr):
+    """Fast path for one load: zeros += [v = 0], vmin = min(vmin, v), vmax = max(vmax, v),
+    vss += v * v, per lane, with no classification.
+
+    A NaN or +-inf element makes its lane's sum of squares NaN or +inf (its square is, and sums of
+    non-negative numbers never go back to finite), so a chunk whose sum of squares is finite had
+    no non-finite element and these min / max / sum are its finite min / max / sum. Otherwise
+    the chunk is rescanned (_rescan) and only the zero count of this pass is kept (NaN and +-inf
+    are never 0, so it is exact either way)."""
+    iz = v == 0
     if MASKED:
-        iszero = iszero & m
-    if KIND == 1:  # integers are finite: no NaN / inf bookkeeping
-        counts += iszero.to(tl.int32) << 24
-        if MASKED:
-            vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
-            vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
-        else:
-            vmin = tl.minimum(vmin, v)
-            vmax = tl.maximum(vmax, v)
-        vss += v * v  # masked lanes hold 0
+        m = loc < rem
+        iz = iz & m
+        vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
+        vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
+    elif v.dtype == tl.float64:
+        # no float64 min / max instruction: minnum would cost a compare, two selects and a NaN
+        # fix-up per element; a compare and a select are enough (NaN lanes are rescanned anyway)
+        vmin = tl.where(v < vmin, v, vmin)
+        vmax = tl.where(v > vmax, v, vmax)
     else:
-        isnan = v != v
-        ispinf = v == float("inf")
-        isninf = v == float("-inf")
-        nonfinite = isnan | ispinf | isninf
-        if MASKED:
-            skip = nonfinite | (loc >= rem)
-        else:
-            skip = nonfinite
-        vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
-        vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
-        vss += tl.where(nonfinite, 0.0, v * v)  # masked lanes hold 0
-        counts += (isnan.to(tl.int32) | (ispinf.to(tl.int32) << 8) | (isninf.to(tl.int32) << 16)
-                   | (iszero.to(tl.int32) << 24))
-        vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
+        vmin = tl.minimum(vmin, v)
+        vmax = tl.maximum(vmax, v)
+    return zeros + iz.to(tl.int32), vmin, vmax, vss + v * v
+
+
+@triton.jit
+def _tile_fast(p, base, rem, zeros, vmin, vmax, vss,
+               KIND: tl.constexpr, ACC64: tl.constexpr, BLOCK: tl.constexpr):
+    """Fold the full tile p[base : base + BLOCK] into the per-lane fast-path accumulators (BLOCK / 4
+    lanes). The four loads are issued before any of them is used: each thread then has four
+    16-byte loads (64 bytes) in flight."""
+    SUB: tl.constexpr = BLOCK // 4
+    l0 = base + tl.arange(0, SUB)
+    l1 = l0 + SUB
+    l2 = l1 + SUB
+    l3 = l2 + SUB
+    r0 = _load(p, l0, rem, False)
+    r1 = _load(p, l1, rem, False)
+    r2 = _load(p, l2, rem, False)
+    r3 = _load(p, l3, rem, False)
+    zeros, vmin, vmax, vss = _fold_fast(_value(r0, KIND, ACC64), l0, rem, zeros, vmin, vmax, vss, False)
+    zeros, vmin, vmax, vss = _fold_fast(_value(r1, KIND, ACC64), l1, rem, zeros, vmin, vmax, vss, False)
+    zeros, vmin, vmax, vss = _fold_fast(_value(r2, KIND, ACC64), l2, rem, zeros, vmin, vmax, vss, False)
+    zeros, vmin, vmax, vss = _fold_fast(_value(r3, KIND, ACC64), l3, rem, zeros, vmin, vmax, vss, False)
+    return zeros, vmin, vmax, vss
+
+
+@triton.jit
+def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vfirst, MASKED: tl.constexpr):
+    """Rescan of one load: classify every element. counts packs three per-lane counters into one
+    int32 (bits 0-9 NaN, 10-19 +inf, 20-29 -inf; a lane sees iters * 4 <= 1020 elements per
+    chunk); vmin / vmax / vss skip non-finite elements; vfirst is the smallest chunk-local index
+    of a non-finite element per lane (2**31 - 1: none). Masked lanes hold 0: finite, and
+    excluded from min / max."""
+    isnan = v != v
+    ispinf = v == float("inf")
+    isninf = v == float("-inf")
+    nonfinite = isnan | ispinf | isninf
+    if MASKED:
+        skip = nonfinite | (loc >= rem)
+    else:
+        skip = nonfinite
+    vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
+    vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
+    vss += tl.where(nonfinite, 0.0, v * v)
+    counts += isnan.to(tl.int32) | (ispinf.to(tl.int32) << 10) | (isninf.to(tl.int32) << 20)
+    vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
     return counts, vmin, vmax, vss, vfirst
 
 
-@triton.jit(do_not_specialize=["numel", "iters", "chunk_offset", "total"])
-def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_tab, chunk_offset,
-                   part_i, part_f, total,
+@triton.jit
+def _accumulators(ACC64: tl.constexpr, SUB: tl.constexpr):
+    """Per-lane identities of min / max / sum of squares in the compute type."""
+    if ACC64:
+        vmin = tl.full([SUB], float("inf"), tl.float64)
+        vmax = tl.full([SUB], float("-inf"), tl.float64)
+        vss = tl.zeros([SUB], tl.float64)
+    else:
+        vmin = tl.full([SUB], float("inf"), tl.float32)
+        vmax = tl.full([SUB], float("-inf"), tl.float32)
+        vss = tl.zeros([SUB], tl.float32)
+    return vmin, vmax, vss
+
+
+@triton.jit
+def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB: tl.constexpr):
+    """Second pass over a chunk the fast path saw a non-finite value (or an overflowing square)
+    in: (nan, +inf, -inf) counts, finite min / max / sum of squares, and the first non-finite
+    index (global, int64; INT64_MAX: none) of elements p[0 : rem], p = chunk start, in n_subs
+    loads of SUB elements. One load per iteration: this path is rare, and its five per-lane
+    accumulators would otherwise raise the register count (and lower the occupancy) of the
+    whole kernel, fast path included."""
+    counts = tl.zeros([SUB], tl.int32)
+    vfirst = tl.full([SUB], 2147483647, tl.int32)
+    vmin, vmax, vss = _accumulators(ACC64, SUB)
+    n_full = rem // SUB
+    for j in range(0, n_full):
+        loc = j * SUB + tl.arange(0, SUB)
+        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, False), KIND, ACC64), loc, rem,
+                                                         counts, vmin, vmax, vss, vfirst, False)
+    for j in range(n_full, n_subs):  # at most one partial load
+        loc = j * SUB + tl.arange(0, SUB)
+        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, True), KIND, ACC64), loc, rem,
+                                                         counts, vmin, vmax, vss, vfirst, True)
+    f = tl.min(vfirst, axis=0)
+    first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
+    return (tl.sum(counts & 1023, axis=0).to(tl.int64), tl.sum((counts >> 10) & 1023, axis=0).to(tl.int64),
+            tl.sum(counts >> 20, axis=0).to(tl.int64), tl.min(vmin, axis=0), tl.max(vmax, axis=0),
+            tl.sum(vss, axis=0), first)
+
+
+# Expected instruction mix of the clean fast path, measured statically (no GPU): the kernel
+# compiled ahead of time for sm_90, SASS of its full-tile loop, `.venv/bin/python -m
+# benchmarks.triton_isa` (triton 3.8; 3.6 within 5%):
+#   dtype  instructions / element  registers  bytes in flight / thread
+#   fp32        6.8  (was 24.4)     40 (64)    64 (32)
+#   bf16        7.4  (was 24.5)     70 (75)    64 (16)
+#   fp16        7.2  (was 25.4)     64 (62)    64 (16)
+#   fp64       11.5  (was 41.8)     40 (54)    64 (32)
+# ("was": the kernel that classified every element, `--rev 8e80e4b`.) fp32 per 16 elements:
+# 4 LDG.128, 32 FMNMX (min, max), 16 FFMA (sum of squares), 16 FSETP + ~34 integer instructions
+# (the zero count: mostly an add of 1 undone by a move under the predicate) and ~7 of loop
+# control. The masked rest of a chunk (< BLOCK elements) and the rescan are separate loops.
+@triton.jit(do_not_specialize=_STAGE1_DO_NOT_SPECIALIZE)
+def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, part_f, total,
                    KIND: tl.constexpr, ACC64: tl.constexpr, CODE: tl.constexpr,
                    MULTI: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """One partial per chunk of iters * BLOCK elements.
+    """One partial per chunk of iters * BLOCK elements, in two passes like the CPU and CUDA
+    kernels: a fast pass that only keeps the zero count and per-lane min / max / sum of squares,
+    then -- only in a chunk whose sum of squares came out NaN or +inf, i.e. that held a NaN /
+    +-inf element or whose squares overflowed -- a rescan of that chunk that classifies every
+    element (_rescan). Integers are finite: no rescan.
 
     Single tensor (MULTI=False): x_ptr / numel describe it, chunk = program id.
-    Multi-tensor (MULTI=True): global chunk gid = chunk_offset + program id; ctensor_tab[gid] names
-    the tensor t, whose int64 data pointer is ptr_tab[t], element count numel_tab[t] and first
-    global chunk cbase_tab[t]. Partials are stored struct-of-arrays with row stride `total`:
-    part_i[k * total + gid] (k: nan, +inf, -inf, zero, first) and part_f[k * total + gid]
-    (k: min, max, sumsq).
+    Multi-tensor (MULTI=True): meta is the int64 table of _summarize_many_table, meta_rows its
+    row length (the number of tensors); global chunk gid = chunk_offset + program id,
+    t = meta[5 * meta_rows + gid] its tensor, whose data pointer is meta[t], element count
+    meta[meta_rows + t] and first global chunk meta[2 * meta_rows + t]. Partials are stored
+    struct-of-arrays with row stride `total`: part_i[k * total + gid] (k: nan, +inf, -inf, zero,
+    first) and part_f[k * total + gid] (k: min, max, sumsq).
+
+    Every element index and offset is int64 (tensors may have more than 2**31 elements); only
+    chunk-local indices, < iters * BLOCK < 2**31, are int32.
     """
     pid = tl.program_id(0).to(tl.int64)
     chunk = iters.to(tl.int64) * BLOCK
+    total64 = total.to(tl.int64)
     if MULTI:
-        gid = chunk_offset + pid
-        t = tl.load(ctensor_tab + gid)
-        p0 = _as_ptr(tl.load(ptr_tab + t), CODE, ALIGNED)
-        n = tl.load(numel_tab + t)
-        start = (gid - tl.load(cbase_tab + t)) * chunk
+        rows = meta_rows.to(tl.int64)
+        gid = chunk_offset.to(tl.int64) + pid
+        t = tl.load(meta + 5 * rows + gid)
+        p0 = _as_ptr(tl.load(meta + t), CODE, ALIGNED)
+        n = tl.load(meta + rows + t)
+        start = (gid - tl.load(meta + 2 * rows + t)) * chunk
     else:
         gid = pid
         p0 = x_ptr
@@ -295,52 +431,59 @@ def _stage1_kernel(x_ptr, numel, iters, ptr_tab, numel_tab, cbase_tab, ctensor_t
         start = pid * chunk
     p = p0 + start
     rem = tl.minimum(n - start, chunk)  # 1 <= rem <= chunk
-    n_full = (rem // BLOCK).to(tl.int32)
-    n_tiles = ((rem + BLOCK - 1) // BLOCK).to(tl.int32)
+    SUB: tl.constexpr = BLOCK // 4  # elements per load (16 bytes per thread)
     rem32 = rem.to(tl.int32)
+    n_full = rem32 // BLOCK  # full tiles
+    n_subs = (rem32 + SUB - 1) // SUB  # loads, the last one partial when SUB does not divide rem
 
-    counts = tl.zeros([BLOCK], tl.int32)
-    vfirst = tl.full([BLOCK], 2147483647, tl.int32)
-    if ACC64:
-        vmin = tl.full([BLOCK], float("inf"), tl.float64)
-        vmax = tl.full([BLOCK], float("-inf"), tl.float64)
-        vss = tl.zeros([BLOCK], tl.float64)
-    else:
-        vmin = tl.full([BLOCK], float("inf"), tl.float32)
-        vmax = tl.full([BLOCK], float("-inf"), tl.float32)
-        vss = tl.zeros([BLOCK], tl.float32)
-
+    zeros = tl.zeros([SUB], tl.int32)
+    vmin, vmax, vss = _accumulators(ACC64, SUB)
     for i in range(0, n_full):
-        loc = i * BLOCK + tl.arange(0, BLOCK)
-        counts, vmin, vmax, vss, vfirst = _tile(p, loc, rem32, counts, vmin, vmax, vss, vfirst,
-                                                KIND, ACC64, False)
-    for i in range(n_full, n_tiles):  # at most one partial tail tile
-        loc = i * BLOCK + tl.arange(0, BLOCK)
-        counts, vmin, vmax, vss, vfirst = _tile(p, loc, rem32, counts, vmin, vmax, vss, vfirst,
-                                                KIND, ACC64, True)
+        zeros, vmin, vmax, vss = _tile_fast(p, i * BLOCK, rem32, zeros, vmin, vmax, vss,
+                                            KIND, ACC64, BLOCK)
+    # the rest, < BLOCK elements, one masked load at a time (at most four; one load's registers)
+    for j in range(n_full * 4, n_subs):
+        loc = j * SUB + tl.arange(0, SUB)
+        zeros, vmin, vmax, vss = _fold_fast(_value(_load(p, loc, rem32, True), KIND, ACC64), loc, rem32,
+                                            zeros, vmin, vmax, vss, True)
 
-    f = tl.min(vfirst, axis=0)
-    first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
-    tl.store(part_i + gid, tl.sum(counts & 255, axis=0).to(tl.int64))
-    tl.store(part_i + total + gid, tl.sum((counts >> 8) & 255, axis=0).to(tl.int64))
-    tl.store(part_i + 2 * total + gid, tl.sum((counts >> 16) & 255, axis=0).to(tl.int64))
-    tl.store(part_i + 3 * total + gid, tl.sum(counts >> 24, axis=0).to(tl.int64))
-    tl.store(part_i + 4 * total + gid, first)
-    tl.store(part_f + gid, tl.min(vmin, axis=0).to(tl.float64))
-    tl.store(part_f + total + gid, tl.max(vmax, axis=0).to(tl.float64))
-    tl.store(part_f + 2 * total + gid, tl.sum(vss, axis=0).to(tl.float64))
+    n_zero = tl.sum(zeros, axis=0).to(tl.int64)
+    mn = tl.min(vmin, axis=0)
+    mx = tl.max(vmax, axis=0)
+    ss = tl.sum(vss, axis=0)
+    n_nan = n_zero * 0
+    n_pinf = n_nan
+    n_ninf = n_nan
+    first = n_nan + 9223372036854775807
+    if KIND != 1:
+        # ss >= 0 is a sum of squares: it is NaN or +inf iff some lane saw a non-finite element
+        # or an overflow (then the rescan's sum is +inf too). Once per chunk; rarely taken.
+        if (ss != ss) | (ss == float("inf")):
+            n_nan, n_pinf, n_ninf, mn, mx, ss, first = _rescan(p, start, rem32, n_subs, KIND, ACC64, SUB)
+    tl.store(part_i + gid, n_nan)
+    tl.store(part_i + total64 + gid, n_pinf)
+    tl.store(part_i + 2 * total64 + gid, n_ninf)
+    tl.store(part_i + 3 * total64 + gid, n_zero)
+    tl.store(part_i + 4 * total64 + gid, first)
+    tl.store(part_f + gid, mn.to(tl.float64))
+    tl.store(part_f + total64 + gid, mx.to(tl.float64))
+    tl.store(part_f + 2 * total64 + gid, ss.to(tl.float64))
 
 
-@triton.jit(do_not_specialize=["total", "nchunks", "acc64"])
-def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, cbase_tab, nch_tab, acc64_tab,
+@triton.jit(do_not_specialize=_STAGE2_DO_NOT_SPECIALIZE)
+def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
                    MULTI: tl.constexpr, BLOCK2: tl.constexpr):
     """Record of tensor t = program id from its partials [base, base + n), combined in a fixed order.
-    Single tensor (MULTI=False): base 0, n = nchunks, float64 sumsq iff acc64 != 0."""
+    Single tensor (MULTI=False): base 0, n = nchunks, float64 sumsq iff acc64 != 0.
+    Multi-tensor: base = meta[2 * meta_rows + t], n = meta[3 * meta_rows + t], float64 sumsq iff
+    meta[4 * meta_rows + t] != 0 (see _stage1_kernel)."""
     t = tl.program_id(0).to(tl.int64)
+    total64 = total.to(tl.int64)
     if MULTI:
-        base = tl.load(cbase_tab + t)
-        n = tl.load(nch_tab + t)
-        a64 = tl.load(acc64_tab + t)
+        rows = meta_rows.to(tl.int64)
+        base = tl.load(meta + 2 * rows + t)
+        n = tl.load(meta + 3 * rows + t)
+        a64 = tl.load(meta + 4 * rows + t)
     else:
         base = t * 0
         n = nchunks.to(tl.int64)
@@ -360,13 +503,13 @@ def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, cbase_tab, nch_ta
         m = idx < n
         g = base + idx
         s_nan += tl.load(part_i + g, mask=m, other=0)
-        s_pinf += tl.load(part_i + total + g, mask=m, other=0)
-        s_ninf += tl.load(part_i + 2 * total + g, mask=m, other=0)
-        s_zero += tl.load(part_i + 3 * total + g, mask=m, other=0)
-        vfirst = tl.minimum(vfirst, tl.load(part_i + 4 * total + g, mask=m, other=9223372036854775807))
+        s_pinf += tl.load(part_i + total64 + g, mask=m, other=0)
+        s_ninf += tl.load(part_i + 2 * total64 + g, mask=m, other=0)
+        s_zero += tl.load(part_i + 3 * total64 + g, mask=m, other=0)
+        vfirst = tl.minimum(vfirst, tl.load(part_i + 4 * total64 + g, mask=m, other=9223372036854775807))
         vmin = tl.minimum(vmin, tl.load(part_f + g, mask=m, other=float("inf")))
-        vmax = tl.maximum(vmax, tl.load(part_f + total + g, mask=m, other=float("-inf")))
-        ss = tl.load(part_f + 2 * total + g, mask=m, other=0.0)
+        vmax = tl.maximum(vmax, tl.load(part_f + total64 + g, mask=m, other=float("-inf")))
+        ss = tl.load(part_f + 2 * total64 + g, mask=m, other=0.0)
         ss32 += ss.to(tl.float32)  # exact: float32-accumulated partials are float32 values
         ss64 += ss
 
@@ -428,6 +571,10 @@ def _capturing(device: torch.device) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
+def _block_for(kind: int, itemsize: int) -> int:
+    return _BLOCK_BY_ITEMSIZE[itemsize] if kind == _KIND_FLOAT else _BLOCK_OTHER
+
+
 def _iters_for(nblocks: int) -> int:
     return max(1, min(_MAX_ITERS, nblocks // _TARGET_PROGRAMS))
 
@@ -443,22 +590,23 @@ def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
         dummy_i = torch.empty(1, dtype=torch.int64, device=t.device)
         dummy_f = torch.empty(1, dtype=torch.float64, device=t.device)
         with _device_guard(t.device):
-            _stage2_kernel[(1,)](dummy_i, dummy_f, 1, out, 0, int(acc64), dummy_i, dummy_i, dummy_i,
+            _stage2_kernel[(1,)](dummy_i, dummy_f, 1, out, 0, int(acc64), dummy_i, 0,
                                  MULTI=False, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
         return out
-    block = block or _BLOCK_BY_ITEMSIZE[t.element_size()]
+    block = block or _block_for(kind, t.element_size())
     iters = iters or _iters_for(triton.cdiv(n, block))
-    assert 1 <= iters <= 127, iters  # the packed per-lane counters hold 127 per field
+    assert 1 <= iters <= _MAX_ITERS_PACKED, iters  # the rescan's packed per-lane counters
+    assert block % _UNROLL == 0, block
     nchunks = triton.cdiv(n, block * iters)
     part_i = torch.empty(5 * nchunks, dtype=torch.int64, device=t.device)
     part_f = torch.empty(3 * nchunks, dtype=torch.float64, device=t.device)
     with _device_guard(t.device):
         _stage1_kernel[(nchunks,)](
-            t, n, iters, part_i, part_i, part_i, part_i, 0, part_i, part_f, nchunks,
+            t, n, iters, part_i, 0, 0, part_i, part_f, nchunks,
             KIND=kind, ACC64=acc64, CODE=_PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=block,
             num_warps=_NUM_WARPS)
         _stage2_kernel[(1,)](
-            part_i, part_f, nchunks, out, nchunks, int(acc64), part_i, part_i, part_i,
+            part_i, part_f, nchunks, out, nchunks, int(acc64), part_i, 0,
             MULTI=False, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
     return out
 
@@ -534,10 +682,9 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     order, plan = [], []
     total = 0
     for key, idxs in groups.items():
-        t0 = prepared[idxs[0]][0]
-        block = _block or _BLOCK_BY_ITEMSIZE[t0.element_size()]
+        block = _block or _block_for(key[0], prepared[idxs[0]][0].element_size())
         iters = _iters or _iters_for(sum(triton.cdiv(prepared[i][0].numel(), block) for i in idxs))
-        assert 1 <= iters <= 127, iters
+        assert 1 <= iters <= _MAX_ITERS_PACKED and block % _UNROLL == 0, (iters, block)
         chunk = block * iters
         start = total
         for i in idxs:
@@ -545,7 +692,7 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
             nch[i] = triton.cdiv(prepared[i][0].numel(), chunk)
             total += nch[i]
         order.extend(idxs)
-        plan.append((key, start, total - start, iters, block, t0))
+        plan.append((key, start, total - start, iters, block))
 
     ptrs = [t.data_ptr() if t.numel() else 0 for t, _, _ in prepared]
     numels = [t.numel() for t, _, _ in prepared]
@@ -558,20 +705,21 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
         # allocator keeps the pinned block until the copy has completed
         meta_host = meta_host.pin_memory()
     meta = meta_host.to(device, non_blocking=True)
-    ptr_tab, numel_tab, cbase_tab, nch_tab, acc_tab = (meta[k * n:(k + 1) * n] for k in range(5))
-    ctensor_tab = meta[5 * n:]
+    # The kernels get the whole table and its row length n, never slices: a slice at k * n int64
+    # would be 16-byte aligned or not depending on the parity of n, and pointer alignment is part
+    # of Triton's specialization key (one more compile per kernel for odd lists).
 
     rows = max(total, 1)
     part_i = torch.empty(5 * rows, dtype=torch.int64, device=device)
     part_f = torch.empty(3 * rows, dtype=torch.float64, device=device)
     with _device_guard(device):
-        for (kind, acc64, code, aligned), start, count, iters, block, t0 in plan:
+        for (kind, acc64, code, aligned), start, count, iters, block in plan:
             _stage1_kernel[(count,)](
-                t0, 0, iters, ptr_tab, numel_tab, cbase_tab, ctensor_tab, start, part_i, part_f, rows,
+                meta, 0, iters, meta, n, start, part_i, part_f, rows,
                 KIND=kind, ACC64=acc64, CODE=code, MULTI=True, ALIGNED=aligned, BLOCK=block,
                 num_warps=_NUM_WARPS)
         _stage2_kernel[(n,)](
-            part_i, part_f, rows, out, 0, 0, cbase_tab, nch_tab, acc_tab,
+            part_i, part_f, rows, out, 0, 0, meta, n,
             MULTI=True, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
     # The tables, partials and any contiguous copies are freed on return; the caching allocator
     # only reuses their blocks for work queued later on the same stream, so the kernels are safe.
