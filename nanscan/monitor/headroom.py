@@ -225,37 +225,24 @@ def _max_of(dtype) -> float:
 
 def row_maxima(slots: list, n: int) -> torch.Tensor:
     """Per slot of a read window (the first ``n``), its dtype's largest finite value (NaN where
-    unknown): the hooks' rows from C++ in one call, blocks and Python slots from their dtypes."""
-    maxima = None
-    done = set()
-    for s in slots[:n]:
-        if id(s) in done:
-            continue
-        done.add(id(s))
-        if type(s) is EagerRows:
-            m = s.rows.dtype_maxima()
-            if maxima is None and m.shape[0] >= n:
-                maxima = m[:n].clone()
-            else:
-                if maxima is None:
-                    maxima = torch.full((n,), math.nan, dtype=torch.float64)
-                k = min(n, m.shape[0])
-                known = ~torch.isnan(m[:k])
-                maxima[:k] = torch.where(known, m[:k], maxima[:k])
-    if maxima is None:
-        maxima = torch.full((n,), math.nan, dtype=torch.float64)
+    unknown): the hooks' rows from C++ in one call, blocks and Python slots from their dtypes.
+    (One pass; a block or the hooks' rows stand in for runs of consecutive entries.)"""
+    maxima = torch.full((n,), math.nan, dtype=torch.float64)
+    previous = None
     for i, s in enumerate(slots[:n]):
+        if s is previous:
+            continue
+        previous = s
         t = type(s)
         if t is EagerRows:
-            continue
-        if t is GradBlock:
-            if i == s.start:
-                maxima[s.start:s.start + len(s.dtypes)] = torch.tensor([_max_of(d) for d in s.dtypes],
-                                                                       dtype=torch.float64)
+            m = s.rows.dtype_maxima()  # (NaN at the window's Python entries)
+            k = min(n, m.shape[0])
+            maxima[:k] = torch.where(torch.isnan(m[:k]), maxima[:k], m[:k])
+        elif t is GradBlock:
+            maxima[s.start:s.start + len(s.dtypes)] = torch.tensor([_max_of(d) for d in s.dtypes], dtype=torch.float64)
         elif isinstance(s, Block):
-            if i == s.start:
-                maxima[s.start:s.start + len(s.tensors)] = torch.tensor([_max_of(x.dtype) for x in s.tensors],
-                                                                        dtype=torch.float64)
+            maxima[s.start:s.start + len(s.tensors)] = torch.tensor([_max_of(x.dtype) for x in s.tensors],
+                                                                    dtype=torch.float64)
         elif getattr(s, "dtype", None) is not None:
             maxima[i] = _max_of(s.dtype)
     return maxima
