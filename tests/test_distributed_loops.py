@@ -1,6 +1,6 @@
 """More distributed loops on gloo ranks (CPU), each with faults planted on rank 1 only:
 DDP with no_sync() gradient accumulation (2 ranks), FSDP2 with activation checkpointing
-(2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
+(torch.utils.checkpoint reentrant and not, checkpoint_wrapper, composable checkpoint; 2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
 fault's real step and phase, once."""
 import pytest
 import torch
@@ -50,27 +50,47 @@ class Block(nn.Module):
 
 
 class CheckpointedNet(nn.Module):
-    def __init__(self, use_reentrant):
+    """``how``: ``"reentrant"`` / ``"non-reentrant"`` (torch.utils.checkpoint in forward),
+    ``"wrapper"`` (``checkpoint_wrapper``, torchtitan's default with FSDP2: the block becomes
+    ``block._checkpoint_wrapped_module``) or ``"composable"`` (``torch.distributed._composable
+    .checkpoint``: hooks on the block, non-reentrant)."""
+
+    def __init__(self, how):
         super().__init__()
         self.inp, self.block, self.out = nn.Linear(8, 16), Block(), nn.Linear(16, 1)
-        self.use_reentrant = use_reentrant
+        self.how = how
+        if how == "wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            self.block = checkpoint_wrapper(self.block)
+        elif how == "composable":
+            from torch.distributed._composable import checkpoint as composable_checkpoint
+
+            composable_checkpoint(self.block)
 
     def forward(self, x):
         h = self.inp(x)
-        h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)  # recomputed in the backward
+        if self.how in ("reentrant", "non-reentrant"):  # recomputed in the backward
+            h = checkpoint(self.block, h, use_reentrant=self.how == "reentrant")
+        else:
+            h = self.block(h)
         return self.out(h)
 
 
-def fsdp_checkpoint(rank, fault, use_reentrant):
+def fsdp_checkpoint(rank, fault, how):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = CheckpointedNet(use_reentrant)
+    model = CheckpointedNet(how)
     for m in (model.inp, model.block, model.out):
         fully_shard(m)
     fully_shard(model)
-    return ranks.planted_run(model, model.block.faulty, rank, fault,
+    faulty = model.block._checkpoint_wrapped_module.faulty if how == "wrapper" else model.block.faulty
+    return ranks.planted_run(model, faulty, rank, fault,
                              lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
+
+
+CHECKPOINTING = ("non-reentrant", "reentrant", "wrapper", "composable")
 
 
 def worker2(rank, world):
@@ -78,8 +98,8 @@ def worker2(rank, world):
     for fault in ("forward", "backward"):
         results[f"ddp-{fault}"] = ddp_no_sync(rank, fault)
         dist.barrier()
-        for reentrant in (False, True):
-            results[f"ckpt-{fault}-{reentrant}"] = fsdp_checkpoint(rank, fault, reentrant)
+        for how in CHECKPOINTING:
+            results[f"ckpt-{fault}-{how}"] = fsdp_checkpoint(rank, fault, how)
             dist.barrier()
     return results
 
@@ -91,16 +111,17 @@ def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
             ddp = results[f"ddp-{fault}"]
             assert ranks.key(ddp) == (2, fault, "module.2", True, 1), (r, fault, ddp)  # (names under "module.")
             assert ddp["ledger"] == [3, 2], ddp  # one step per optimizer.step, not per micro-step
-            for reentrant in (False, True):
-                seen = results[f"ckpt-{fault}-{reentrant}"]
-                if fault == "backward" and reentrant:
+            for how in CHECKPOINTING:
+                seen = results[f"ckpt-{fault}-{how}"]
+                if fault == "backward" and how == "reentrant":
                     # A reentrant checkpoint runs the block's first forward without grad, so no
                     # output gradient inside it is tapped, and the recomputation inside the
                     # backward is not recorded: the first record is a (reduced) parameter
                     # gradient, and nanscan says it cannot tell (produced=None), never "produced".
                     assert (seen.get("step"), seen.get("phase"), seen.get("produced")) == (2, "backward", None), seen
                     continue
-                assert ranks.key(seen) == (2, fault, "block.faulty", True, 1), (r, fault, reentrant, seen)
+                name = "block._checkpoint_wrapped_module.faulty" if how == "wrapper" else "block.faulty"
+                assert ranks.key(seen) == (2, fault, name, True, 1), (r, fault, how, seen)
 
 
 def fsdp_x_tp(rank, mesh, fault):
