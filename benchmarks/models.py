@@ -1,9 +1,9 @@
 """A GPT-style model for the monitor benchmark and GPU tests (pre-LN blocks, causal SDPA); the
-transformer block is the demo's (nanscan.demo.Block)."""
+transformer block is the demo's (nanscan.demo_model.Block)."""
 import torch
 from torch import nn
 
-from nanscan.demo import Block
+from nanscan.demo_model import Block
 
 
 class GPT(nn.Module):

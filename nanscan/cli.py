@@ -98,7 +98,7 @@ def _main(argv=None) -> int:
 
     bundle = load_bundle(args.bundle)
     if args.command == "show":
-        print(show(bundle))
+        print(show(bundle), end="")
         return 0
     model, forward = load_factory(args.model)
     if args.command == "replay":
@@ -140,24 +140,11 @@ def load_factory(spec: str):
 
 
 def show(bundle) -> str:
-    """The manifest as a readable page."""
-    m = bundle.manifest
-    lines = [f"nanscan bundle {bundle.path}", f"  created      {m.get('created')}", f"  step         {m.get('step')}",
-             f"  state        model / optimizer / scaler state from {m.get('state')}",
-             f"  mode         {'train' if m.get('training') else 'eval'}"]
-    inc = m.get("incident")
-    if inc:
-        lines.append(f"  incident     {inc.get('kind')} '{inc.get('name')}' in {inc.get('phase')} "
-                     f"(produced={inc.get('produced')}, rank {inc.get('rank')})")
-    for device, ac in (m.get("autocast") or {}).items():
-        lines.append(f"  autocast     {device}: {'on, ' + ac.get('dtype') if ac.get('enabled') else 'off'}")
-    lines.append(f"  parameters   {m.get('model_precision', {}).get('param_dtypes')}")
-    for item in m.get("inputs", []):
-        lines.append(f"  input        {item['path']}: {item['dtype']}{item['shape']}")
-    for key, value in (m.get("environment") or {}).items():
-        lines.append(f"  env          {key} = {value}")
-    lines.append(f"  files        {', '.join(sorted(m.get('files', {})))}")
-    return "\n".join(lines)
+    """The bundle's manifest as a readable page (:func:`nanscan.report.bundle_text`, which
+    ``nanscan report BUNDLE`` prints too)."""
+    from nanscan import report
+
+    return report.bundle_text(report.summarize_bundle(bundle.manifest, str(bundle.path)))
 
 
 if __name__ == "__main__":

@@ -10,20 +10,22 @@ input projection past fp16's 65504: the activation overflows in the *forward*, w
 cannot fix. nanscan stops the step before the update, names the step, phase and module, says the
 values were produced there, writes the bundle, and the replay names the op -- and shows it is
 finite in FP32. The event log becomes a report (PNG when matplotlib is installed).
+
+The model is :mod:`nanscan.demo_model`'s; this module is the story around it (the planted batch,
+the loop, what is printed).
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
 from typing import Optional
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 import nanscan
+from nanscan import report
+from nanscan.demo_model import make_model, step_loss
 
 PLANTED_STEP = 14
 STEPS = 18
@@ -66,57 +68,6 @@ def tensor_table() -> None:
             print(f"{name:<30} {backend:<9} {str(s.dtype).replace('torch.', ''):<14} {s.nan_count:>5} "
                   f"{s.posinf_count:>5} {s.neginf_count:>5} {s.zero_count:>6} {fmt(s.finite_min):>10} "
                   f"{fmt(s.finite_max):>10} {fmt(s.sumsq):>10} {fmt(s.first_nonfinite_index):>6}  {note}")
-
-
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: causal multi-head attention (SDPA) and a GELU MLP."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 4 * d)
-        self.out = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class TinyTransformer(nn.Module):
-    """Features in, one regression target per position out."""
-
-    def __init__(self, features: int = 32, d: int = 64, layers: int = 2, heads: int = 4):
-        super().__init__()
-        self.embed = nn.Linear(features, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, 1)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.ln(h)).squeeze(-1)
-
-
-def make_model():
-    """Factory for ``nanscan replay BUNDLE --model nanscan.demo:make_model``: the bundle holds the
-    model's forward inputs (``watch`` kept them), so the replay is ``model(x)``."""
-    torch.manual_seed(0)
-    return TinyTransformer()
-
-
-def step_loss(model, batch):
-    x, y = batch
-    return F.mse_loss(model(x).float(), y)
 
 
 def batch_for(step: int, device) -> tuple:
@@ -174,7 +125,7 @@ def walkthrough(workdir: str) -> int:
           f"{'produced there' if inc.produced else 'propagated'}")
     print(f"          {inc}")
     print(f"bundle    {error.bundle_path}")
-    print("\n" + _show(error.bundle_path))
+    print("\n" + report.text_report(error.bundle_path), end="")  # what `nanscan show` prints
 
     print("\nreplay (as recorded: fp16 autocast, pre-step RNG and state):")
     result = nanscan.replay(error.bundle_path, make_model().to(device))
@@ -183,9 +134,7 @@ def walkthrough(workdir: str) -> int:
     fp32 = nanscan.replay(error.bundle_path, make_model().to(device), precision="fp32")
     print(f"  {fp32}")
     print(f"  -> {'an fp16 range problem: FP32 stays finite' if not fp32.reproduced else 'not a precision problem'}")
-    print(f"  (same from a shell: nanscan replay {error.bundle_path} --model nanscan.demo:make_model [--fp32])")
-
-    from nanscan import report
+    print(f"  (same from a shell: nanscan replay {error.bundle_path} --model nanscan.demo_model:make_model [--fp32])")
 
     print("\n" + report.text_report(log_path))
     png = os.path.join(workdir, "report.png")
@@ -197,12 +146,6 @@ def walkthrough(workdir: str) -> int:
     ok = (inc.step == PLANTED_STEP and inc.phase == "forward" and inc.name == "embed" and inc.produced
           and result.reproduced and not fp32.reproduced)
     return 0 if ok else 1
-
-
-def _show(path: str) -> str:
-    from nanscan.cli import show
-
-    return show(nanscan.load_bundle(path))
 
 
 def main(argv=None) -> int:

@@ -45,6 +45,7 @@ from typing import Any, Optional
 
 import torch
 
+from nanscan import _version
 from nanscan.record import TensorSummary, json_float
 
 MAX_ELEMENTS = 64
@@ -223,9 +224,7 @@ class EventLog:
         try:
             if torn:
                 self._file.write("\n")
-            import nanscan
-
-            self._write({"type": "header", "nanscan": getattr(nanscan, "__version__", None), "rank": self.rank,
+            self._write({"type": "header", "nanscan": _version.__version__, "rank": self.rank,
                          "time": _now(), "pid": os.getpid()}, fsync=False)
         except BaseException:  # (a full disk: do not leak the file descriptor)
             self._file.close()

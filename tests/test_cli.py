@@ -1,5 +1,6 @@
 """`python -m nanscan info` and `demo` run as a user runs them."""
 import json
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,8 @@ def test_demo_walks_through_the_incident(tmp_path):
     assert out.stdout.count("empty ") >= 2  # the empty tensor on cpu and on reference
     assert "INCIDENT  step 14, phase forward, module 'embed' (activation), produced there" in out.stdout
     assert "first non-finite op aten.addmm.default in forward, module embed" in out.stdout
+    # replay names the line of the demo's model (its user code), not a frame inside nanscan
+    assert re.search(r"module embed, at \S*nanscan[/\\]demo_model\.py:\d+ in forward; inputs finite", out.stdout)
     assert "replay (precision=fp32, backend=eager): did not reproduce" in out.stdout
     assert (tmp_path / "bundles" / "step000014-rank0" / "manifest.json").exists()
     report = run("report", str(tmp_path / "events.jsonl"), "-o", str(tmp_path / "r.png"))

@@ -202,7 +202,13 @@ def test_bundle_gives_a_text_report_without_timeline(tmp_path):
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     text = report.text_report(str(bundle))
     assert "no timeline" in text and "'block.act' at step 20, phase forward" in text
-    assert "autocast: cuda float16" in text and "state before-update" in text and "torch 2.14.1" in text
+    assert "  incident     activation 'block.act' in forward (produced=True, rank 0)\n" in text
+    assert "  autocast     cuda: on, float16\n" in text and "  autocast     cpu: off\n" in text
+    assert "  state        model / optimizer / scaler state from before-update\n" in text
+    assert "  parameters   float32 1000\n" in text and "  input        args[0]: float32[8, 64]\n" in text
+    assert "  env          torch = 2.14.1\n" in text and "  env          tf32_matmul = False\n" in text
+    assert "  files        batch.pt, model.pt, rng.pt\n" in text
+    assert f"  next         nanscan replay {bundle} --model pkg.module:factory" in text
     s = report.summarize_run(str(bundle))
     assert s["source"] == "bundle" and not s["timeline"] and s["focus"]["step"] == 20
     assert "block.act" in report.text_report(str(bundle / "manifest.json"))
@@ -222,3 +228,30 @@ def test_bundle_gives_a_text_report_without_timeline(tmp_path):
     (bundle / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a nanscan bundle"):
         report.text_report(str(bundle))
+
+
+def test_show_and_report_print_the_same_bundle_page(tmp_path):
+    """One renderer: `nanscan show` (a verified bundle) and `nanscan report BUNDLE` (its manifest
+    only) print the same page."""
+    import torch
+
+    import nanscan
+    from nanscan import cli
+
+    path = nanscan.capture_bundle(str(tmp_path / "b"), model=torch.nn.Linear(4, 2), batch=torch.randn(3, 4))
+    page = report.text_report(path)
+    assert cli.show(nanscan.load_bundle(path)) == page
+    assert page.startswith(f"nanscan bundle {path}\n  created      ")
+    assert "  incident     none recorded (bundle captured on request)\n" in page
+    assert "  input        args[0]: float32[3, 4]\n" in page and f"  env          torch = {torch.__version__}\n" in page
+
+
+def test_bundle_page_of_an_odd_manifest_does_not_crash():
+    """Valid JSON of unexpected shapes reads as missing, never as a KeyError / TypeError."""
+    manifest = {"format": "nanscan-bundle", "step": 3, "autocast": {"cpu": {"enabled": True}, "cuda": [1]},
+                "model_precision": {"param_dtypes": [], "converted": "x"}, "inputs": [{"dtype": "float32"}, 5],
+                "environment": [], "files": ["model.pt"], "incident": {"kind": "grad"}}
+    text = report.bundle_text(report.summarize_bundle(manifest, "/b"))
+    assert "  autocast     cpu: on, None\n  autocast     cuda: off\n" in text
+    assert "  parameters   -\n" in text and "  input        None: float32None\n" in text
+    assert "  files        -\n" in text and "incident     grad 'None' in None" in text

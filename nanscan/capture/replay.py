@@ -36,7 +36,7 @@ def _user_frame() -> Optional[str]:
     for frame in reversed(traceback.extract_stack()):
         f = os.path.abspath(frame.filename)
         if f.startswith(_SKIP_DIRS) or frame.filename.startswith("<frozen") or (
-                f.startswith(_NANSCAN_DIR) and os.path.basename(f) != "demo.py"):  # the demo's model is user code
+                f.startswith(_NANSCAN_DIR) and os.path.basename(f) != "demo_model.py"):  # the demo's model is user code
             continue
         return f"{frame.filename}:{frame.lineno} in {frame.name}"
     return None

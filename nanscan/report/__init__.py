@@ -1,0 +1,36 @@
+"""Reports over a run's event log: the first anomalous step and what preceded it.
+
+Input is either the JSONL event log of a run (one JSON object a line: ``header``, ``step``,
+``incident``; other types are ignored) or a failure bundle directory (``manifest.json``, see
+:mod:`nanscan.capture.bundle`). A log gives a timeline; a bundle holds one step and gives none.
+
+API (plain functions; ``python -m nanscan report`` builds on them)::
+
+    load_events(path) -> list[dict]        # own tolerant parser: a truncated line is skipped, noted
+    parse_events(lines) -> list[dict]      # the same over lines already read
+    summarize_log(events, window=5) -> dict
+    summarize_run(path) -> dict            # log or bundle
+    text_report(path) -> str               # no matplotlib needed
+    bundle_text(summary) -> str            # a bundle's page (``nanscan show`` prints it too)
+    plot_report(path, out_png) -> str      # 4-panel timeline, needs matplotlib (Agg, no pyplot)
+    html_report(path, out_html, png=None) -> str
+    to_json(summary) -> str                # strict JSON, non-finite floats as {"finite": false, ...}
+
+One concept per module: :mod:`~nanscan.report.load` (reading logs and manifests, the JSON codec),
+:mod:`~nanscan.report.analysis` (summaries: what counts as an anomaly, what preceded it),
+:mod:`~nanscan.report.text`, :mod:`~nanscan.report.plot`, :mod:`~nanscan.report.html`.
+
+This package imports neither torch nor ``nanscan.log``: a report can be made anywhere the log is.
+"""
+from nanscan.report.analysis import CRITERIA, PHASES, summarize_bundle, summarize_log, summarize_run
+from nanscan.report.html import html_report
+from nanscan.report.load import (BUNDLE_FORMAT, is_bundle, load_bundle_manifest, load_events, loads, parse_events,
+                                 to_json)
+from nanscan.report.plot import MATPLOTLIB_HINT, plot_report, plot_summary
+from nanscan.report.text import bundle_text, format_summary, incident_text, text_report
+
+__all__ = [
+    "BUNDLE_FORMAT", "CRITERIA", "MATPLOTLIB_HINT", "PHASES", "bundle_text", "format_summary", "html_report",
+    "incident_text", "is_bundle", "load_bundle_manifest", "load_events", "loads", "parse_events", "plot_report",
+    "plot_summary", "summarize_bundle", "summarize_log", "summarize_run", "text_report", "to_json",
+]

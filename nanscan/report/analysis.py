@@ -1,0 +1,306 @@
+"""From events to a summary: per-step series, the first anomalous step and what preceded it.
+
+A step is *anomalous* when its loss or grad norm is non-finite, any per-phase non-finite count is
+positive, its update was skipped, or an incident was logged for it. The criteria are checked in
+that order and the first that fires names the step (``criterion``; ``criteria`` lists all). An
+anomaly is *handled by the scaler* when the update was skipped while the loss and forward stayed
+finite -- GradScaler's dynamic loss scaling doing its job on a gradient overflow. A non-finite loss
+or activation is never that, so the summary also names the first anomaly that is *not* handled
+(``first_unhandled_anomaly``): usually the one that matters. Its predecessors are the ``focus``.
+
+What preceded it follows the checklist for mixed-precision trouble: the loss scale, the grad norm
+and the lr in the few steps before (a grad norm that grew by more than 10x points at an explosion; a
+loss scale that keeps halving points at FP16 overflow -- FP16's largest value is 65504; an lr still
+rising points at the warmup)."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+from nanscan.report.load import is_bundle, load_bundle_manifest, load_events
+
+PHASES = ("forward", "loss", "backward", "update")
+SERIES = ("loss", "grad_norm", "loss_scale", "lr")  # the numbers a step record carries
+
+CRITERIA = {  # in the order they are checked; the first that fires names the step
+    "loss_nonfinite": "loss non-finite",
+    "grad_norm_nonfinite": "grad norm non-finite",
+    **{f"nonfinite_{p}": f"non-finite tensors in {p}" for p in PHASES},
+    "update_skipped": "update skipped",
+    "incident": "incident logged",
+}
+
+
+# ---------------------------------------------------------------------------- logged values
+def _num(value) -> Optional[float]:
+    """A logged number as float (None stays None; bools and strings are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _nonfinite(value) -> bool:
+    return value is not None and not math.isfinite(value)
+
+
+def _int(value) -> int:
+    v = _num(value)
+    return int(v) if v is not None and math.isfinite(v) else 0
+
+
+def _ranges(steps) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9' (at most 12 pieces)."""
+    steps = sorted(set(steps))
+    pieces, i = [], 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        pieces.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    if len(pieces) > 12:
+        pieces = pieces[:12] + [f"... ({len(steps)} steps)"]
+    return ", ".join(pieces)
+
+
+def _scale_drops(steps: list, scale: list, end: int) -> list:
+    """The steps among ``steps[1:end]`` where the loss scale fell below the step before's."""
+    return [steps[j] for j in range(1, end)
+            if scale[j] is not None and scale[j - 1] is not None and scale[j] < scale[j - 1]]
+
+
+# ---------------------------------------------------------------------------- reading the log
+def _pick_rank(events: list, header: Optional[dict], rank: Optional[int]) -> tuple:
+    """(the rank reported on, every rank seen in step / incident records, in order of appearance)."""
+    ranks_seen = []
+    for e in events:
+        if e.get("type") in ("step", "incident") and e.get("rank") not in ranks_seen:
+            ranks_seen.append(e.get("rank"))
+    if rank is None:
+        rank = header.get("rank") if header and header.get("rank") in ranks_seen else (ranks_seen[0] if ranks_seen else None)
+    return rank, ranks_seen
+
+
+def _unparsed_notes(events: list) -> list:
+    notes = []
+    for e in events:
+        if e.get("type") == "unparsed":
+            where = "last line" if e.get("last") else "line"
+            why = "truncated (the run stopped mid-write?)" if e.get("last") else "not valid JSON"
+            notes.append(f"{where} {e['line']} is {why}; skipped")
+    return notes
+
+
+def _records_of(events: list, rank) -> tuple:
+    """(step records by step -- the last one wins --, incidents, how many step records repeated a step)."""
+    by_step: dict = {}
+    duplicates = 0
+    incidents = []
+    for e in events:
+        kind = e.get("type")
+        if e.get("rank") != rank or not isinstance(e.get("step"), int) or isinstance(e.get("step"), bool):
+            continue
+        if kind == "step":
+            if e["step"] in by_step:
+                duplicates += 1
+            by_step[e["step"]] = e
+        elif kind == "incident":
+            inc = e.get("incident") if isinstance(e.get("incident"), dict) else {}
+            incidents.append({"step": e["step"], "rank": e.get("rank"), "incident": inc, "bundle": e.get("bundle")})
+    return by_step, incidents, duplicates
+
+
+def _series(by_step: dict) -> dict:
+    """``steps`` and the lists aligned with it: the numbers, ``update``, ``nonfinite`` per phase."""
+    steps = sorted(by_step)
+    s: dict = {"steps": steps, **{key: [] for key in SERIES}, "update": [], "nonfinite": {p: [] for p in PHASES}}
+    for st in steps:
+        e = by_step[st]
+        for key in SERIES:
+            s[key].append(_num(e.get(key)))
+        s["update"].append(e.get("update") if e.get("update") in ("applied", "skipped") else None)
+        counts = e.get("nonfinite") if isinstance(e.get("nonfinite"), dict) else {}
+        for p in PHASES:
+            s["nonfinite"][p].append(_int(counts.get(p)))
+    return s
+
+
+def _add_empty_steps(s: dict, missing: list) -> None:
+    """An incident for a step that has no step record still counts: give that step an empty record."""
+    for st in missing:
+        i = len([x for x in s["steps"] if x < st])
+        s["steps"].insert(i, st)
+        for key in (*SERIES, "update"):
+            s[key].insert(i, None)
+        for p in PHASES:
+            s["nonfinite"][p].insert(i, 0)
+
+
+# ---------------------------------------------------------------------------- anomalies
+def _anomaly(i: int, s: dict, incidents_at: dict) -> Optional[dict]:
+    fired = []
+    if _nonfinite(s["loss"][i]):
+        fired.append("loss_nonfinite")
+    if _nonfinite(s["grad_norm"][i]):
+        fired.append("grad_norm_nonfinite")
+    for p in PHASES:
+        if s["nonfinite"][p][i] > 0:
+            fired.append(f"nonfinite_{p}")
+    if s["update"][i] == "skipped":
+        fired.append("update_skipped")
+    incs = incidents_at.get(s["steps"][i], [])
+    if incs:
+        fired.append("incident")
+    if not fired:
+        return None
+    # handled = a gradient overflow GradScaler absorbed (as the monitor decides): the update was
+    # skipped, and nothing but the backward went non-finite, and no incident says otherwise
+    beyond_backward = {"loss_nonfinite", "nonfinite_forward", "nonfinite_loss", "nonfinite_update"} & set(fired)
+    handled = (s["update"][i] == "skipped" and not beyond_backward
+               and all(inc["incident"].get("handled_by_scaler") is not False for inc in incs))
+    return {"step": s["steps"][i], "index": i, "criterion": fired[0], "criteria": fired,
+            "description": ", ".join(CRITERIA[c] for c in fired),
+            "handled_by_scaler": handled}
+
+
+def _trend(values: list) -> dict:
+    """First / last finite value of a window, their ratio and the direction."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    out = {"values": values, "first": finite[0] if finite else None, "last": finite[-1] if finite else None,
+           "min": min(finite) if finite else None, "max": max(finite) if finite else None,
+           "nonfinite": sum(1 for v in values if _nonfinite(v)), "ratio": None, "direction": None}
+    if len(finite) >= 2:
+        a, b = finite[0], finite[-1]
+        out["ratio"] = (b / a) if a != 0 else None
+        out["direction"] = "rising" if b > a else ("falling" if b < a else "flat")
+    return out
+
+
+def _preceding(s: dict, index: int, window: int) -> dict:
+    """What the last ``window`` step records before record ``index`` show (seed 004's checklist)."""
+    lo = max(0, index - window)
+    steps = s["steps"][lo:index]
+    out = {"steps": steps, "window": window}
+    for key in SERIES:
+        out[key] = _trend(s[key][lo:index])
+    g = out["grad_norm"]
+    # growth over the window: last finite value against the smallest finite one before it
+    finite = [v for v in g["values"] if v is not None and math.isfinite(v)]
+    growth = None
+    if len(finite) >= 2 and min(finite[:-1]) > 0:
+        growth = finite[-1] / min(finite[:-1])
+    out["grad_norm_growth"] = growth
+    out["grad_norm_grew_10x"] = bool(growth is not None and growth > 10)
+    out["grad_norm_nonfinite_before"] = g["nonfinite"] > 0
+    drops = _scale_drops(s["steps"], s["loss_scale"], index)
+    drops_in_window = [d for d in drops if d in steps]
+    out["loss_scale_drops_before"] = drops
+    out["loss_scale_dropping"] = bool(drops_in_window)
+    out["loss_scale_drops_in_window"] = drops_in_window
+    out["loss_scale_below_1"] = bool(out["loss_scale"]["last"] is not None and out["loss_scale"]["last"] < 1)
+    out["lr_rising"] = out["lr"]["direction"] == "rising"
+    out["loss_rising"] = out["loss"]["direction"] == "rising"
+    out["skipped_in_window"] = [st for st, u in zip(steps, s["update"][lo:index]) if u == "skipped"]
+    return out
+
+
+def _anomalies(s: dict, incidents: list, window: int) -> tuple:
+    """(every anomaly in step order, the first, the first not handled by the scaler); the last two
+    carry their ``incidents`` (in phase order: the first is where it started) and ``preceding``."""
+    incidents_at: dict = {}
+    for inc in incidents:
+        incidents_at.setdefault(inc["step"], []).append(inc)
+    anomalies = [a for a in (_anomaly(i, s, incidents_at) for i in range(len(s["steps"]))) if a is not None]
+    first = anomalies[0] if anomalies else None
+    unhandled = next((a for a in anomalies if not a["handled_by_scaler"]), None)
+    phase_rank = {p: i for i, p in enumerate(PHASES)}
+    for a in (first, unhandled):
+        if a is not None and "preceding" not in a:
+            a["incidents"] = sorted((inc for inc in incidents if inc["step"] == a["step"]),
+                                    key=lambda inc: phase_rank.get(inc["incident"].get("phase"), len(PHASES)))
+            a["preceding"] = _preceding(s, a.pop("index"), window)
+    for a in anomalies:
+        a.pop("index", None)
+    return anomalies, first, unhandled
+
+
+# ---------------------------------------------------------------------------- summaries
+def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> dict:
+    """Per-step series, skipped steps, incidents, the first anomalous step and what preceded it.
+
+    ``rank`` picks one rank's records when a log holds several (default: the header's rank, else
+    the first seen). A step logged twice (a restart that repeated steps) keeps its last record.
+
+    Keys: ``source`` ("log"), ``timeline`` (True), ``header``, ``rank``, ``other_ranks``,
+    ``steps`` and aligned lists ``loss``, ``grad_norm``, ``loss_scale``, ``lr``, ``update``,
+    ``nonfinite`` ({phase: [count]}); ``skipped_steps``, ``loss_scale_drops`` (steps where the scale
+    fell); ``incidents`` (each ``{"step", "rank", "incident", "bundle"}``); ``first_anomaly`` and
+    ``first_unhandled_anomaly`` (each None or ``{"step", "criterion", "criteria", "description",
+    "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if any, else the
+    first), ``anomalous_steps``; ``notes`` (truncated lines, duplicates, other ranks)."""
+    notes: list = []
+    header = next((e for e in events if e.get("type") == "header"), None)
+    rank, ranks_seen = _pick_rank(events, header, rank)
+    other_ranks = [r for r in ranks_seen if r != rank]
+    if other_ranks:
+        notes.append(f"the log holds records of ranks {ranks_seen}; this report is for rank {rank}")
+    notes += _unparsed_notes(events)
+
+    by_step, incidents, duplicates = _records_of(events, rank)
+    if duplicates:
+        notes.append(f"{duplicates} step(s) logged more than once (a restart?); the last record of each is used")
+    s = _series(by_step)
+    missing = sorted({inc["step"] for inc in incidents} - set(s["steps"]))
+    if missing:
+        notes.append(f"incident(s) at step {_ranges(missing)} without a step record")
+        _add_empty_steps(s, missing)
+    steps = s["steps"]
+
+    anomalies, first, unhandled = _anomalies(s, incidents, window)
+    return {
+        "source": "log", "timeline": True, "header": header, "rank": rank, "other_ranks": other_ranks,
+        **s,
+        "skipped_steps": [st for st, u in zip(steps, s["update"]) if u == "skipped"],
+        "loss_scale_drops": _scale_drops(steps, s["loss_scale"], len(steps)),
+        "incidents": incidents,
+        "anomalous_steps": [a["step"] for a in anomalies],
+        "first_anomaly": first,
+        "first_unhandled_anomaly": unhandled,
+        "focus": unhandled or first,
+        "notes": notes,
+    }
+
+
+def summarize_bundle(manifest: dict, path: str = "") -> dict:
+    """A bundle's one step, shaped like :func:`summarize_log`'s output where it can be (no series)."""
+    inc = manifest.get("incident") if isinstance(manifest.get("incident"), dict) else None
+    step = manifest.get("step", inc.get("step") if inc else None)
+    incidents = [{"step": step, "rank": inc.get("rank"), "incident": inc, "bundle": path}] if inc else []
+    focus = None
+    if inc or step is not None:
+        focus = {"step": step, "criterion": "incident" if inc else None, "criteria": ["incident"] if inc else [],
+                 "description": "incident captured in the bundle" if inc else "bundle captured on request",
+                 "handled_by_scaler": bool(inc and inc.get("handled_by_scaler")), "incidents": incidents,
+                 "preceding": None}
+    return {"source": "bundle", "timeline": False, "path": path, "manifest": manifest, "step": step,
+            "state": manifest.get("state"), "training": manifest.get("training"),
+            "autocast": manifest.get("autocast") or {}, "model_precision": manifest.get("model_precision") or {},
+            "inputs": manifest.get("inputs") or [], "environment": manifest.get("environment") or {},
+            "files": sorted(manifest["files"]) if isinstance(manifest.get("files"), dict) else [], "incidents": incidents,
+            "first_anomaly": focus, "first_unhandled_anomaly": focus if focus and not focus["handled_by_scaler"] else None,
+            "focus": focus,
+            "notes": ["a bundle holds one step: no timeline (give the run's JSONL event log for loss, grad norm, "
+                      "loss scale and lr per step)"]}
+
+
+def summarize_run(path: str, window: int = 5) -> dict:
+    """:func:`summarize_log` of a JSONL log, or :func:`summarize_bundle` of a bundle directory."""
+    path = os.fspath(path)
+    if is_bundle(path):
+        return summarize_bundle(load_bundle_manifest(path), os.path.abspath(path))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"nanscan report: {path} does not exist")
+    summary = summarize_log(load_events(path), window=window)
+    summary["path"] = os.path.abspath(path)
+    return summary

@@ -1,0 +1,225 @@
+"""A log summary as a 4-panel PNG timeline (matplotlib's Agg canvas, never pyplot: no display,
+no global figure state).
+
+Panels: loss; unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite
+elements per phase (grouped bars, log axis). Skipped updates are shaded on every panel, the focus
+step is a red line annotated with the module and phase, non-finite values are markers along a
+panel's top edge. matplotlib is optional: without it, :func:`plot_report` raises an
+``ImportError`` with the install hint and the text report still works."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+from nanscan.report.analysis import CRITERIA, PHASES, summarize_run
+
+MATPLOTLIB_HINT = "pip install 'nanscan[report]' (matplotlib) for the plot; the text report works without it"
+PHASE_COLORS = {"forward": "#1f77b4", "loss": "#d62728", "backward": "#ff7f0e", "update": "#9467bd"}
+
+
+def _require_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(MATPLOTLIB_HINT) from e
+    return Figure, FigureCanvasAgg
+
+
+def _plot_series(ax, steps, values, *, color, label, log, markers=True):
+    """Finite values as a line (gaps at None and at non-finite values); non-finite ones as markers
+    along the top edge of the panel, so they are seen, never dropped."""
+    from matplotlib.transforms import blended_transform_factory
+
+    ys = [v if v is not None and math.isfinite(v) and (not log or v > 0) else math.nan for v in values]
+    ax.plot(steps, ys, color=color, lw=1.4 if markers else 0.8, marker="o" if markers else None, ms=2.5, label=label)
+    top = blended_transform_factory(ax.transData, ax.transAxes)
+    marks = {"NaN": ([], "X", "#d62728"), "+Inf": ([], "^", "#ff7f0e"), "-Inf": ([], "v", "#9467bd")}
+    for st, v in zip(steps, values):
+        if v is not None and math.isnan(v):
+            marks["NaN"][0].append(st)
+        elif v is not None and math.isinf(v):
+            marks["+Inf" if v > 0 else "-Inf"][0].append(st)
+    for name, (xs, marker, c) in marks.items():
+        if xs:
+            ax.scatter(xs, [0.93] * len(xs), transform=top, marker=marker, s=46, color=c, zorder=5,
+                       clip_on=False, label=f"{name} (marker at the panel's top)")
+    if not any(v is not None for v in values):
+        ax.text(0.5, 0.5, f"{label}: not logged", transform=ax.transAxes, ha="center", va="center", color="0.4")
+    if log and any(v is not None and math.isfinite(v) and v > 0 for v in values):
+        ax.set_yscale("log")
+    if any(marks[k][0] for k in marks):  # headroom so the top-edge markers do not sit on the data
+        lo, hi = ax.get_ylim()
+        if ax.get_yscale() == "log":
+            ax.set_ylim(lo, hi * (hi / lo) ** 0.2)
+        else:
+            ax.set_ylim(lo, hi + 0.2 * (hi - lo))
+
+
+def _note(ax, text: str) -> None:
+    """A grey message in the middle of an empty panel."""
+    ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4")
+
+
+def _draw_loss_and_grad_norm(ax_loss, ax_grad, summary: dict, markers: bool) -> None:
+    steps = summary["steps"]
+    loss = [v for v in summary["loss"] if v is not None and math.isfinite(v)]
+    loss_log = bool(loss) and min(loss) > 0 and max(loss) / min(loss) > 1e3
+    _plot_series(ax_loss, steps, summary["loss"], color="#1f77b4", label="loss", log=loss_log, markers=markers)
+    ax_loss.set_ylabel("loss" + (" (log)" if loss_log else ""))
+    _plot_series(ax_grad, steps, summary["grad_norm"], color="#2ca02c", label="grad norm", log=True, markers=markers)
+    ax_grad.set_ylabel("unscaled grad norm (log)")
+
+
+def _draw_loss_scale_and_lr(ax_scale, summary: dict, markers: bool) -> list:
+    """The loss scale as steps, the lr on a twin right axis; returns the lr lines (for the legend)."""
+    steps = summary["steps"]
+    if any(v is not None for v in summary["loss_scale"]):
+        _plot_series(ax_scale, steps, summary["loss_scale"], color="#8c564b", label="loss scale", log=True, markers=markers)
+        ax_scale.lines[-1].set_drawstyle("steps-post")
+    else:
+        _note(ax_scale, "loss scale not logged (no GradScaler)")
+    ax_scale.set_ylabel("loss scale (log)")
+    lr = summary["lr"]
+    if not any(v is not None for v in lr):
+        return []
+    ax_lr = ax_scale.twinx()
+    ax_lr.plot(steps, [v if v is not None and math.isfinite(v) else math.nan for v in lr],
+               color="#7f7f7f", lw=1, ls="--", label="lr (right axis)")
+    ax_lr.set_ylabel("lr", color="#7f7f7f")
+    ax_lr.tick_params(axis="y", colors="#7f7f7f")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax_lr.set_ylim(bottom=0)
+    return ax_lr.get_lines()
+
+
+def _draw_nonfinite_counts(ax_nf, summary: dict, width: float) -> None:
+    # the counts are non-finite *elements* per phase (propagated ones included): they span orders of
+    # magnitude (3 in an activation, millions in the gradients), so grouped bars on a log axis
+    steps = summary["steps"]
+    any_nf = False
+    for k, p in enumerate(PHASES):
+        counts = summary["nonfinite"][p]
+        idx = [i for i, c in enumerate(counts) if c > 0]
+        if idx:  # sparse: only bars that exist, so a long clean run costs nothing here
+            any_nf = True
+            ax_nf.bar([steps[i] + (k - 1.5) * width / 4 for i in idx], [counts[i] for i in idx],
+                      width=width / 4, color=PHASE_COLORS[p], label=p, log=True, zorder=3)  # above the step lines
+    if any_nf:
+        ax_nf.set_ylim(bottom=0.5)
+    else:
+        _note(ax_nf, "no non-finite values recorded")
+    ax_nf.set_ylabel("non-finite elements\nper phase (log)")
+    ax_nf.set_xlabel("step")
+
+
+def _shade_skipped(axes, skipped_steps: list, width: float) -> None:
+    """Skipped updates: shaded spans on every panel, merged into one collection per panel."""
+    spans: list = []
+    for st in skipped_steps:
+        lo, hi = st - width / 2 - 0.1, st + width / 2 + 0.1
+        if spans and lo <= spans[-1][1]:
+            spans[-1][1] = hi
+        else:
+            spans.append([lo, hi])
+    if spans:
+        for ax in axes:
+            ax.broken_barh([(lo, hi - lo) for lo, hi in spans], (0, 1), transform=ax.get_xaxis_transform(),
+                           color="#ffbb78", alpha=0.45, lw=0, zorder=0,
+                           label="update skipped" if ax is axes[0] else None)
+
+
+def _mark_focus(axes, summary: dict, span: float) -> None:
+    """The incident(s) of the focus step: red line + annotation; the first anomaly if it differs."""
+    ax_loss, steps = axes[0], summary["steps"]
+    focus, first = summary["focus"], summary["first_anomaly"]
+    if first is not None and focus is not None and first["step"] != focus["step"]:
+        for ax in axes:
+            ax.axvline(first["step"], color="#9467bd", ls=":", lw=1.5,
+                       label=(f"first anomaly (step {first['step']}"
+                              + (", handled by GradScaler)" if first["handled_by_scaler"] else ")"))
+                       if ax is ax_loss else None)
+    if focus is None:
+        return
+    incs = focus.get("incidents") or []
+    if incs:
+        inc = incs[0]["incident"]
+        text = f"step {focus['step']}: {inc.get('name', '?')} ({inc.get('phase', '?')})"
+    else:
+        text = f"step {focus['step']}: {CRITERIA.get(focus['criterion'], focus['criterion'])}"
+    for ax in axes:
+        ax.axvline(focus["step"], color="#d62728", lw=1.8, alpha=0.85, zorder=2,
+                   label="incident" if ax is ax_loss and incs else ("first anomaly" if ax is ax_loss else None))
+    left = bool(span) and focus["step"] - steps[0] > 0.35 * span  # text on the side with room
+    ax_loss.annotate(text, xy=(focus["step"], 1.0), xycoords=ax_loss.get_xaxis_transform(),
+                     xytext=(-8 if left else 8, -10), textcoords="offset points",
+                     ha="right" if left else "left", va="top", fontsize=9,
+                     color="#d62728", fontweight="bold",
+                     bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#d62728", "alpha": 0.9})
+
+
+def _legend(fig, axes, lr_lines: list) -> None:
+    """One legend below the panels: it never hides data, the annotation or the top-edge markers."""
+    ax_scale, ax_nf = axes[2], axes[3]
+    legend: dict = {}
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        if ax is ax_scale:  # the lr line lives on the twin axis
+            handles, labels = handles + lr_lines, labels + [ln.get_label() for ln in lr_lines]
+        for h, lab in zip(handles, labels):
+            legend.setdefault(lab if ax is not ax_nf else f"non-finite in {lab}", h)
+    if legend:
+        fig.legend(list(legend.values()), list(legend.keys()), loc="outside lower center",
+                   ncols=min(4, len(legend)), fontsize=8, frameon=False)
+
+
+def _title(summary: dict) -> str:
+    focus, first = summary["focus"], summary["first_anomaly"]
+    name = os.path.basename(summary.get("path", "")) or "event log"
+    title = f"nanscan: {name} -- {len(summary['steps'])} steps"
+    if focus is not None:
+        title += f", first {'unhandled ' if first is not focus else ''}anomaly at step {focus['step']} " \
+                 f"({CRITERIA.get(focus['criterion'], focus['criterion'])})"
+    return title
+
+
+def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> str:
+    """Draw the 4-panel timeline of a log summary into ``out_png`` (matplotlib Agg, no pyplot)."""
+    if not summary.get("timeline"):
+        raise ValueError("nanscan report: a bundle holds one step, there is no timeline to plot; "
+                         "give the run's JSONL event log")
+    Figure, FigureCanvasAgg = _require_matplotlib()
+    steps = summary["steps"]
+    fig = Figure(figsize=(11, 10), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [1.2, 1.1, 1, 0.9]})
+    span = (steps[-1] - steps[0]) if steps else 0
+    width = max(0.8, span / 500)  # bars and shaded spans stay visible on runs of 100k steps
+    markers = len(steps) <= 300
+
+    _draw_loss_and_grad_norm(axes[0], axes[1], summary, markers)
+    lr_lines = _draw_loss_scale_and_lr(axes[2], summary, markers)
+    _draw_nonfinite_counts(axes[3], summary, width)
+    _shade_skipped(axes, summary["skipped_steps"], width)
+    _mark_focus(axes, summary, span)
+    _legend(fig, axes, lr_lines)
+    if steps:
+        axes[3].set_xlim(steps[0] - width, steps[-1] + width)
+    fig.suptitle(_title(summary) if title is None else title, fontsize=11)
+    out_png = os.fspath(out_png)
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, format="png")
+    return out_png
+
+
+def plot_report(path: str, out_png: str) -> str:
+    """Write a PNG timeline of the log at ``path`` to ``out_png`` and return ``out_png``: loss;
+    unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite elements per
+    phase (grouped bars, log axis). Skipped updates are shaded, the incident step is a red line
+    annotated with the module and phase, non-finite values are markers along a panel's top edge.
+    Needs matplotlib (``ImportError`` with the install hint otherwise)."""
+    _require_matplotlib()  # before reading anything: the hint is the answer when it is missing
+    return plot_summary(summarize_run(path), out_png)

@@ -1,0 +1,217 @@
+"""A summary as text: the log's first anomaly and what preceded it, or a bundle's one step.
+
+:func:`bundle_text` is the one renderer of a capture bundle: ``nanscan show BUNDLE`` and
+``nanscan report BUNDLE`` both print it (and the demo)."""
+from __future__ import annotations
+
+import math
+
+from nanscan.report.analysis import CRITERIA, _int, _num, _ranges, summarize_run
+
+
+def _fmt(value, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value.is_integer() and abs(value) < 1e9:
+            return str(int(value))  # loss scales, counts: 65536, not 6.554e+04
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _dict(value) -> dict:
+    """A manifest field that should be an object; anything else reads as empty (never a crash)."""
+    return value if isinstance(value, dict) else {}
+
+
+def incident_text(inc: dict) -> str:
+    """One sentence for an incident dict (``Incident.to_dict()``), like ``str(Incident)``."""
+    s = inc.get("summary") if isinstance(inc.get("summary"), dict) else {}
+    kind = inc.get("kind")
+    what = {"activation": "output of module", "grad": "gradient", "param": "parameter after the update",
+            "loss": "loss", "optimizer_state": "optimizer state"}.get(kind, kind or "tensor")
+    produced = inc.get("produced")
+    if produced is True:
+        cause = "inputs finite: produced here"
+    elif produced is False:
+        cause = f"propagated from {', '.join(inc.get('inputs') or []) or 'upstream'}"
+    else:
+        cause = "produced or propagated: unknown"
+    counts = ""
+    if s:
+        counts = (f": {_int(s.get('nan_count'))} NaN, {_int(s.get('posinf_count'))} +Inf, "
+                  f"{_int(s.get('neginf_count'))} -Inf of {_int(s.get('numel'))} ({s.get('dtype', '?')}{s.get('shape', [])}"
+                  + ("" if s.get("first_nonfinite_index") is None else f", first at flat index {s['first_nonfinite_index']}")
+                  + ("; no finite element)" if s.get("finite_min") is None else
+                     f"; finite range [{_fmt(_num(s.get('finite_min')))}, {_fmt(_num(s.get('finite_max')))}])"))
+    tail = "; GradScaler skipped the update (handled)" if inc.get("handled_by_scaler") else ""
+    return (f"non-finite {what} '{inc.get('name', '?')}' at step {inc.get('step')}, phase {inc.get('phase', '?')}, "
+            f"rank {inc.get('rank', '?')}{counts}; {cause}{tail}")
+
+
+# ---------------------------------------------------------------------------- a bundle
+def bundle_text(summary: dict) -> str:
+    """A bundle's manifest as a readable page, from :func:`~nanscan.report.summarize_bundle`:
+    when and at which step it was captured, the state it holds, the incident (headline and the full
+    sentence), autocast per device, parameter dtypes, the inputs, every environment entry, the
+    files, the summary's notes and the replay command to run next."""
+    m = summary["manifest"]
+    state = summary["state"]
+    lines = [f"nanscan bundle {summary['path']}",
+             f"  created      {m.get('created', '-')}",
+             f"  step         {_fmt(summary['step'])}",
+             "  state        " + (f"model / optimizer / scaler state from {state}" if state else "-"),
+             f"  mode         {'train' if summary['training'] else 'eval'}"]
+    focus = summary["focus"]
+    if focus and focus["incidents"]:
+        inc = focus["incidents"][0]["incident"]
+        lines.append(f"  incident     {inc.get('kind')} '{inc.get('name')}' in {inc.get('phase')} "
+                     f"(produced={inc.get('produced')}, rank {inc.get('rank')})")
+        lines.append(f"               {incident_text(inc)}")
+    else:
+        lines.append("  incident     none recorded (bundle captured on request)")
+    for device, ac in _dict(summary["autocast"]).items():
+        ac = _dict(ac)
+        lines.append(f"  autocast     {device}: " + (f"on, {ac.get('dtype')}" if ac.get("enabled") else "off"))
+    prec = _dict(summary["model_precision"])
+    dtypes = ", ".join(f"{k} {v}" for k, v in _dict(prec.get("param_dtypes")).items())
+    converted = prec.get("converted") if isinstance(prec.get("converted"), list) else []
+    lines.append(f"  parameters   {dtypes or '-'}"
+                 + (f" (converted to {', '.join(map(str, converted))})" if converted else ""))
+    for item in summary["inputs"] if isinstance(summary["inputs"], list) else []:
+        item = _dict(item)
+        lines.append(f"  input        {item.get('path')}: {item.get('dtype')}{item.get('shape')}")
+    for key, value in _dict(summary["environment"]).items():
+        lines.append(f"  env          {key} = {value}")
+    lines.append(f"  files        {', '.join(summary['files']) or '-'}")
+    lines += [f"  note         {n}" for n in summary["notes"]]
+    lines.append(f"  next         nanscan replay {summary['path']} --model pkg.module:factory "
+                 "[--fp32] [--backend inductor]")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- a log
+def _series_line(label: str, trend: dict) -> str:
+    return f"    {label:<11}" + " ".join(f"{_fmt(v, 3):>9}" for v in trend["values"])
+
+
+def _findings(p: dict) -> list:
+    """What the window before a step shows, one phrase each (the checklist of the analysis)."""
+    findings = []
+    if p["grad_norm_growth"] is not None:
+        grew = f"grad norm grew {p['grad_norm_growth']:.3g}x (last finite value vs the window's smallest)"
+        findings.append(grew + (" (>10x: an explosion before the failure)" if p["grad_norm_grew_10x"] else ""))
+    if p["grad_norm_nonfinite_before"]:
+        findings.append(f"grad norm already non-finite {p['grad_norm']['nonfinite']} time(s) in the window")
+    if p["loss_scale_dropping"]:
+        findings.append(f"loss scale dropping (fell at step {', '.join(map(str, p['loss_scale_drops_in_window']))}): "
+                        "scaled gradients overflowed (FP16 max 65504)")
+    elif p["loss_scale_drops_before"]:
+        findings.append(f"loss scale fell {len(p['loss_scale_drops_before'])} time(s) earlier "
+                        f"(steps {_ranges(p['loss_scale_drops_before'])}), steady in the window")
+    if p["loss_scale_below_1"]:
+        findings.append("loss scale below 1: gradients overflow FP16 even unscaled")
+    if p["lr"]["direction"] is not None:
+        ratio = p["lr"]["ratio"]
+        if p["lr"]["direction"] == "flat":
+            findings.append(f"lr constant at {_fmt(p['lr']['last'])}")
+        else:
+            findings.append(f"lr {p['lr']['direction']}" + (f" (x{ratio:.3g})" if ratio is not None else "")
+                            + (": still warming up?" if p["lr_rising"] else ""))
+    if p["loss_rising"]:
+        findings.append(f"loss rising ({_fmt(p['loss']['first'])} -> {_fmt(p['loss']['last'])})")
+    if p["skipped_in_window"]:
+        findings.append(f"updates skipped at step {', '.join(map(str, p['skipped_in_window']))}")
+    return findings
+
+
+def _preceding_lines(p: dict, step) -> list:
+    if not p["steps"]:
+        return [f"  nothing precedes step {step} in the log"]
+    lines = [f"  what preceded step {step} (steps {p['steps'][0]}-{p['steps'][-1]}):",
+             f"    {'step':<11}" + " ".join(f"{x:>9}" for x in p["steps"])]
+    for key, label in (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr")):
+        lines.append(_series_line(label, p[key]))
+    return lines + [f"    - {f}" for f in _findings(p)]
+
+
+def _anomaly_lines(label: str, a: dict) -> list:
+    tail = " -- handled by GradScaler (update skipped, only gradients overflowed)" if a["handled_by_scaler"] else ""
+    lines = [f"{label}: step {a['step']}: {CRITERIA.get(a['criterion'], a['criterion'])}"
+             + (f" (also: {', '.join(CRITERIA[c] for c in a['criteria'][1:])})" if len(a["criteria"]) > 1 else "")
+             + tail]
+    incs = a.get("incidents") or []
+    if incs:  # the first in phase order is where it started; the rest usually followed from it
+        lines.append(f"  incident: {incident_text(incs[0]['incident'])}")
+        if len(incs) > 1:
+            lines.append("  then, same step: " + "; ".join(
+                f"{i['incident'].get('kind', '?')} '{i['incident'].get('name', '?')}' ({i['incident'].get('phase', '?')})"
+                for i in incs[1:6]) + (f"; ... ({len(incs) - 6} more)" if len(incs) > 6 else ""))
+        bundles = list(dict.fromkeys(i["bundle"] for i in incs if i.get("bundle")))
+        for b in bundles:
+            lines.append(f"  bundle: {b}  (nanscan show / replay / bisect it)")
+    return lines
+
+
+def _log_overview_lines(summary: dict) -> list:
+    """What the log holds: step records, incidents, the header, the notes."""
+    steps = summary["steps"]
+    h = summary["header"] or {}
+    desc = f"log: {len(steps)} step record(s)" + (f" (steps {steps[0]}-{steps[-1]})" if steps else "")
+    desc += f", {len(summary['incidents'])} incident(s)"
+    if h:
+        desc += f"; nanscan {h.get('nanscan', '?')}, rank {h.get('rank', '?')}, started {h.get('time', '?')}"
+    return [f"nanscan report: {summary.get('path', '(events)')}", desc] + [f"note: {n}" for n in summary["notes"]]
+
+
+def _updates_lines(summary: dict) -> list:
+    """Skipped updates and the loss scale's path."""
+    skipped = summary["skipped_steps"]
+    lines = [f"updates skipped: {len(skipped)}" + (f" (steps {_ranges(skipped)})" if skipped else "")]
+    scales = [v for v in summary["loss_scale"] if v is not None]
+    if scales:
+        drops = summary["loss_scale_drops"]
+        lines.append(f"loss scale: {_fmt(scales[0])} -> {_fmt(scales[-1])}, fell {len(drops)} time(s)"
+                     + (f" (steps {_ranges(drops)})" if drops else ""))
+    else:
+        lines.append("loss scale: not logged (no GradScaler)")
+    return lines
+
+
+def _log_text(summary: dict) -> str:
+    lines = _log_overview_lines(summary)
+    if not summary["steps"]:
+        lines.append("no step records: nothing to report")
+        return "\n".join(lines) + "\n"
+    lines += _updates_lines(summary)
+    first, unhandled = summary["first_anomaly"], summary["first_unhandled_anomaly"]
+    if first is None:
+        lines.append("no anomalous step: every logged loss and grad norm is finite, no non-finite tensor, "
+                     "no skipped update")
+        return "\n".join(lines) + "\n"
+    lines += _anomaly_lines("first anomalous step", first)
+    if first is not unhandled:
+        if unhandled is None:
+            lines.append("every anomaly was handled by GradScaler (skipped updates with a finite loss)")
+        else:
+            lines += _anomaly_lines("first anomaly not handled by the scaler", unhandled)
+    focus = summary["focus"]
+    lines += _preceding_lines(focus["preceding"], focus["step"])
+    later = [st for st in summary["anomalous_steps"] if st > focus["step"]]
+    if later:
+        lines.append(f"anomalous after it: {len(later)} step(s) ({_ranges(later)})")
+    return "\n".join(lines) + "\n"
+
+
+def format_summary(summary: dict) -> str:
+    """The text of :func:`text_report` for a summary already made (a log's or a bundle's)."""
+    return bundle_text(summary) if summary["source"] == "bundle" else _log_text(summary)
+
+
+def text_report(path: str) -> str:
+    """A short readable summary of a JSONL event log or a bundle (no matplotlib needed)."""
+    return format_summary(summarize_run(path))
