@@ -2,7 +2,7 @@
 
 **Encoding** (:func:`encode`, :func:`dumps`, :func:`dump`): the output always passes
 ``json.dumps(..., allow_nan=False)`` (forced). A non-finite float becomes
-``{"finite": false, "value": "nan" | "inf" | "-inf"}`` (:func:`nanscan.record.json_float`); nothing is
+``{"finite": false, "value": "nan" | "inf" | "-inf"}`` (:func:`nanscan.jsonl.encode_float`); nothing is
 replaced by 0 or dropped. Dict keys go through ``str()`` (two keys with the same ``str`` are a
 ``ValueError``); tuples, lists, ``torch.Size`` -> lists; sets -> sorted lists (unsorted if not
 sortable); numpy scalars -> bool / int / float; a numpy array or torch tensor with at most
@@ -45,11 +45,10 @@ from typing import Any, Optional
 
 import torch
 
-from nanscan import _version
+from nanscan import _version, jsonl
 from nanscan.record import TensorSummary, json_float
 
 MAX_ELEMENTS = 64
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _type_name(obj) -> str:
@@ -170,15 +169,11 @@ def dump(obj: Any, fp, *, max_elements: int = MAX_ELEMENTS, **kw) -> None:
     fp.write(dumps(obj, max_elements=max_elements, **kw))
 
 
-def _decode(d: dict) -> Any:
-    if len(d) == 2 and d.get("finite", True) is False and d.get("value") in _NONFINITE:
-        return _NONFINITE[d["value"]]
-    return d
-
-
 def loads(s) -> Any:
-    """Parse JSON; ``{"finite": false, "value": "nan"|"inf"|"-inf"}`` objects become floats."""
-    return json.loads(s, object_hook=_decode)
+    """Parse JSON; ``{"finite": false, "value": "nan"|"inf"|"-inf"}`` objects become floats
+    (:func:`nanscan.jsonl.loads`: anything that is not JSON, too deep nesting included, is a
+    ``ValueError``)."""
+    return jsonl.loads(s)
 
 
 def load(fp) -> Any:
@@ -282,30 +277,18 @@ class EventLog:
         self.close()
 
 
-def _is_header(line: str) -> bool:
-    try:
-        event = loads(line)
-    except ValueError:
-        return False
-    return isinstance(event, dict) and event.get("type") == "header"
-
-
 def read_events(path) -> list:
-    """Every event of a JSONL log, decoded with :func:`loads`. Blank lines are skipped; a line that
-    does not parse is skipped with a warning when it was torn by a crash (the last line, or a line
-    followed by a new writer's header); any other bad line is a ``ValueError`` naming its number."""
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-        lines = [(n, line) for n, line in enumerate(f.read().split("\n"), 1) if line.strip()]
+    """Every event of a JSONL log, decoded with :func:`loads` (lines: :func:`nanscan.jsonl.parse_lines`).
+    Blank lines are skipped; a line that does not parse is skipped with a warning when it was torn
+    by a crash (the last line, or a line followed by a new writer's header); any other bad line is a
+    ``ValueError`` naming its number."""
     events = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            event = loads(line)
-        except ValueError as e:
-            if i + 1 == len(lines) or _is_header(lines[i + 1][1]):
-                warnings.warn(f"{path}:{n}: skipping a truncated event line (crash mid-write?)", stacklevel=2)
+    for event in jsonl.read_lines(path):
+        if event.get("type") == "unparsed":
+            if event["torn"]:
+                warnings.warn(f"{path}:{event['line']}: skipping a truncated event line (crash mid-write?)",
+                              stacklevel=2)
                 continue
-            raise ValueError(f"{path}:{n}: not a JSON event line: {e}") from None
-        if not isinstance(event, dict):
-            raise ValueError(f"{path}:{n}: an event line must be a JSON object, got {type(event).__name__}")
+            raise ValueError(f"{path}:{event['line']}: {event['error']}")
         events.append(event)
     return events

@@ -298,3 +298,28 @@ def test_read_events_truncated_and_bad_lines(tmp_path):
     bad.write_text('{"type": "header"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: an event line must be a JSON object"):
         log.read_events(bad)
+
+
+def test_one_json_format_for_log_record_and_report(tmp_path):
+    """nanscan.jsonl is the one home of the format: the log, records and the report agree on
+    markers, torn lines and odd input (each case failed somewhere before)."""
+    from nanscan import jsonl, report
+    from nanscan.record import json_float
+
+    assert json_float is jsonl.encode_float
+    # a marker needs exactly its two keys and one of the three strings; anything else is data
+    assert log.loads('{"finite": false, "value": []}') == {"finite": False, "value": []}
+    assert report.loads('{"finite": false, "value": "nan", "x": 1}') == {"finite": False, "value": "nan", "x": 1}
+    assert math.isnan(report.loads('{"finite": false, "value": "nan"}'))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        log.loads("[" * 100000)
+    # a raw U+2028 inside a string is part of its line, for both readers
+    path = tmp_path / "events.jsonl"
+    line = json.dumps({"type": "step", "step": 0, "rank": 0, "note": "a\u2028b"}, ensure_ascii=False)
+    path.write_text('{"type": "header", "rank": 0}\n' + line + "\n" + '{"type": "step", "st', encoding="utf-8")
+    with pytest.warns(UserWarning, match="truncated"):
+        events = log.read_events(path)
+    assert [e.get("note") for e in events] == [None, "a\u2028b"]
+    parsed = report.load_events(str(path))
+    assert parsed[1]["note"] == "a\u2028b" and parsed[2]["type"] == "unparsed" and parsed[2]["torn"]
+    assert "last line 3 is truncated" in report.text_report(str(path))

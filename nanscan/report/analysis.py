@@ -107,6 +107,9 @@ def _records_of(events: list, rank) -> tuple:
             by_step[e["step"]] = e
         elif kind == "incident":
             inc = e.get("incident") if isinstance(e.get("incident"), dict) else {}
+            # (a hand-edited or foreign line: the words a report sorts and prints by are text)
+            inc = {k: (str(v) if k in ("phase", "kind", "name") and v is not None and not isinstance(v, str) else v)
+                   for k, v in inc.items()}
             incidents.append({"step": e["step"], "rank": e.get("rank"), "incident": inc, "bundle": e.get("bundle")})
     return by_step, incidents, duplicates
 
