@@ -289,3 +289,23 @@ def test_no_warning_on_healthy_runs_at_the_suggested_threshold(name, autocast):
     # the margin the suggested threshold leaves on these models (SUGGESTED_BITS's comment)
     tracked = [b for h in mon.headroom.history.values() for _, b in h]
     assert min(tracked, default=math.inf) > SUGGESTED_BITS + 4
+
+
+def test_the_report_shows_warnings_trend_and_overflow(tmp_path):
+    from nanscan import report
+
+    log = tmp_path / "run.jsonl"
+    mon, _ = drift_run(headroom_bits=SUGGESTED_BITS, log=str(log))
+    warned, first = mon.headroom_events[0], mon.incidents[0]
+    summary = report.summarize_run(str(log))
+    series = summary["headroom"]["series"][f"activation {warned.name}"]
+    assert series["warned_at"] == warned.step and series["overflow"] == first.step
+    assert series["bits"] == sorted(series["bits"], reverse=True)  # the drift, step by step
+    assert summary["headroom"]["threshold"] == SUGGESTED_BITS
+    text = report.format_summary(summary)
+    assert (f"step {warned.step}: activation proj (float16) {warned.bits:.3g} bits left, losing "
+            f"{warned.bits_per_100:.3g} bits per 100 steps, overflow predicted near step {warned.overflow_step}; "
+            f"non-finite at step {first.step}") in text
+    pytest.importorskip("matplotlib")
+    png = report.plot_report(str(log), str(tmp_path / "run.png"))
+    assert (tmp_path / "run.png").stat().st_size > 10000 and png.endswith("run.png")
