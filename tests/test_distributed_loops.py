@@ -27,10 +27,16 @@ def ddp_no_sync(rank, fault):
                 for micro in range(2):  # gradient accumulation: the first micro-step without the all-reduce
                     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro + 100 * rank))
                     planted = rank == 1 and step == 2 and micro == 1
-                    inner[2].mode = fault if planted else None
+                    inner[2].mode = fault if planted and fault in ("forward", "backward") else None
+                    if planted and fault == "batch":
+                        x[1, 3] = float("nan")
                     ctx = model.no_sync() if micro == 0 else torch.enable_grad()
                     with ctx:
                         model(x).pow(2).mean().backward()
+                if rank == 1 and step == 2 and fault == "update":  # after the all-reduce: rank 1's update only
+                    inner[0].weight.grad.fill_(1e38)
+                    for group in opt.param_groups:
+                        group["lr"] = 1e3
                 opt.step()
                 opt.zero_grad()
             seen["ledger"] = [mon.ledger.attempted, mon.ledger.applied]
@@ -87,15 +93,17 @@ def fsdp_checkpoint(rank, fault, how):
     fully_shard(model)
     faulty = model.block._checkpoint_wrapped_module.faulty if how == "wrapper" else model.block.faulty
     return ranks.planted_run(model, faulty, rank, fault,
-                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)),
+                             update_param=model.inp.weight)
 
 
+FAULTS = ("forward", "backward", "batch", "update")
 CHECKPOINTING = ("non-reentrant", "reentrant", "wrapper", "composable")
 
 
 def worker2(rank, world):
     results = {}
-    for fault in ("forward", "backward"):
+    for fault in FAULTS:
         results[f"ddp-{fault}"] = ddp_no_sync(rank, fault)
         dist.barrier()
         for how in CHECKPOINTING:
@@ -106,11 +114,18 @@ def worker2(rank, world):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
+    ddp_expected = {"forward": (2, "forward", "module.2", True), "backward": (2, "backward", "module.2", True),
+                    "batch": (2, "forward", "module.0", False),  # propagated from rank 1's batch
+                    "update": (2, "update", "module.0.weight", True)}
+    ckpt_expected = {"forward": (2, "forward", "block.faulty", True), "backward": (2, "backward", "block.faulty", True),
+                     "batch": (2, "forward", "inp", False), "update": (2, "update", "inp.weight", True)}
     for r, results in enumerate(ranks.spawn(worker2, 2, tmp_path)):
-        for fault in ("forward", "backward"):
+        for fault in FAULTS:
             ddp = results[f"ddp-{fault}"]
-            assert ranks.key(ddp) == (2, fault, "module.2", True, 1), (r, fault, ddp)  # (names under "module.")
-            assert ddp["ledger"] == [3, 2], ddp  # one step per optimizer.step, not per micro-step
+            assert ranks.key(ddp) == ddp_expected[fault] + (1,), (r, fault, ddp)  # (names under "module.")
+            # one step per optimizer.step, not per micro-step (an update fault of step 2 is read with step
+            # 3's records, before step 3's update: 4 attempts, 3 applied)
+            assert ddp["ledger"] == ([4, 3] if fault == "update" else [3, 2]), (fault, ddp)
             for how in CHECKPOINTING:
                 seen = results[f"ckpt-{fault}-{how}"]
                 if fault == "backward" and how == "reentrant":
@@ -120,8 +135,10 @@ def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
                     # gradient, and nanscan says it cannot tell (produced=None), never "produced".
                     assert (seen.get("step"), seen.get("phase"), seen.get("produced")) == (2, "backward", None), seen
                     continue
-                name = "block._checkpoint_wrapped_module.faulty" if how == "wrapper" else "block.faulty"
-                assert ranks.key(seen) == (2, fault, name, True, 1), (r, fault, how, seen)
+                want = ckpt_expected[fault]
+                if how == "wrapper":
+                    want = (want[0], want[1], want[2].replace("block.", "block._checkpoint_wrapped_module."), want[3])
+                assert ranks.key(seen) == want + (1,), (r, fault, how, seen)
 
 
 def fsdp_x_tp(rank, mesh, fault):
@@ -135,7 +152,8 @@ def fsdp_x_tp(rank, mesh, fault):
     dp_rank = mesh["dp"].get_local_rank()
     # the same batch within a tensor-parallel group, different ones across data-parallel ranks
     return ranks.planted_run(model, model[1], rank, fault,
-                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)))
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)),
+                             update_param=model[4].weight)
 
 
 def worker4(rank, world):
@@ -143,7 +161,7 @@ def worker4(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     results = {}
-    for fault in ("forward", "backward"):
+    for fault in FAULTS:
         results[fault] = fsdp_x_tp(rank, mesh, fault)
         dist.barrier()
     return results
@@ -151,6 +169,8 @@ def worker4(rank, world):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp_x_tensor_parallel_on_a_2d_mesh_names_rank_1(tmp_path):
+    expected = {"forward": (2, "forward", "1", True), "backward": (2, "backward", "1", True),
+                "batch": (2, "forward", "0", False), "update": (2, "update", "4.weight", True)}
     for r, results in enumerate(ranks.spawn(worker4, 4, tmp_path)):
         for fault, seen in results.items():
-            assert ranks.key(seen) == (2, fault, "1", True, 1), (r, fault, seen)
+            assert ranks.key(seen) == expected[fault] + (1,), (r, fault, seen)
