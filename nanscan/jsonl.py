@@ -22,7 +22,7 @@ import math
 from typing import Any, Optional
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-MAX_DEPTH_MESSAGE = "nested too deeply to decode"
+MAX_DEPTH_MESSAGE = "nested too deeply (past Python's recursion limit)"
 
 
 def encode_float(value: Optional[float]) -> Any:

@@ -56,20 +56,45 @@ def _type_name(obj) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _summary(x: torch.Tensor) -> dict:
-    from nanscan.summary import summarize  # lazy: nanscan/__init__ may import this module
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
 
-    if x.dtype in (torch.uint16, torch.uint32, torch.uint64):  # finite by definition; not a kernel dtype
-        d = summarize(x.to(torch.float64 if x.dtype == torch.uint64 else torch.int64), backend="reference").to_dict()
+
+def _summarize(x: torch.Tensor):
+    """The tensor's summary with the default kernels (one pass, no copy), the reference only when
+    the compiled library is missing (it makes temporaries several times the tensor's size)."""
+    from nanscan.summary import summarize  # lazy: nanscan/__init__ may import this module
+    from nanscan._ops import ExtensionError
+
+    try:
+        return summarize(x)
+    except ExtensionError:
+        return summarize(x, backend="reference")
+
+
+def _summary(x: torch.Tensor) -> dict:
+    if x.dtype in _WIDE_UNSIGNED:  # finite by definition; not a kernel dtype
+        d = _summarize(x.to(torch.float64 if x.dtype == torch.uint64 else torch.int64)).to_dict()
         return {"__summary__": True, **d, "dtype": str(x.dtype).replace("torch.", "")}
-    return {"__summary__": True, **summarize(x, backend="reference").to_dict()}
+    return {"__summary__": True, **_summarize(x).to_dict()}
+
+
+def _encodable_dtype(dtype: torch.dtype) -> bool:
+    from nanscan.kernels.reference import supports_dtype
+
+    return dtype in _WIDE_UNSIGNED or supports_dtype(dtype)
 
 
 def _tensor(x: torch.Tensor, max_elements: int, seen) -> Any:
     x = x.detach()
+    if x.is_nested:
+        raise TypeError(f"nanscan.log cannot encode a nested tensor ({x.dtype}); encode its components "
+                        f"(list(x.unbind()))")
     if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
         what = "meta" if x.device.type == "meta" else ("quantized" if x.is_quantized else str(x.layout))
         raise TypeError(f"nanscan.log cannot encode a {what} tensor ({x.dtype}{list(x.shape)})")
+    if not _encodable_dtype(x.dtype):
+        raise TypeError(f"nanscan.log cannot encode a tensor of dtype {x.dtype} (sub-byte, bits and other "
+                        f"storage-only dtypes have no values to write); convert it first")
     if x.numel() > max_elements:
         return _summary(x)
     if x.is_complex():
@@ -160,9 +185,13 @@ def _container(obj, max_elements: int, seen) -> Any:
 
 
 def dumps(obj: Any, *, max_elements: int = MAX_ELEMENTS, **kw) -> str:
-    """Strict JSON text of ``obj`` (``allow_nan=False`` is forced; other ``json.dumps`` options pass)."""
+    """Strict JSON text of ``obj`` (``allow_nan=False`` is forced; other ``json.dumps`` options pass).
+    Nesting too deep to encode is a ``ValueError``."""
     kw["allow_nan"] = False
-    return json.dumps(encode(obj, max_elements), **kw)
+    try:
+        return json.dumps(encode(obj, max_elements), **kw)
+    except RecursionError:
+        raise ValueError(f"nanscan.log: {jsonl.MAX_DEPTH_MESSAGE}") from None
 
 
 def dump(obj: Any, fp, *, max_elements: int = MAX_ELEMENTS, **kw) -> None:

@@ -323,3 +323,26 @@ def test_one_json_format_for_log_record_and_report(tmp_path):
     parsed = report.load_events(str(path))
     assert parsed[1]["note"] == "a\u2028b" and parsed[2]["type"] == "unparsed" and parsed[2]["torn"]
     assert "last line 3 is truncated" in report.text_report(str(path))
+
+
+def test_tensors_without_values_and_deep_nesting_are_clear_errors(monkeypatch):
+    with pytest.raises(TypeError, match="nested tensor"):
+        log.dumps(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged))
+    for dtype in [d for d in (getattr(torch, n, None) for n in ("bits8", "uint1", "int4")) if d is not None]:
+        with pytest.raises(TypeError, match=f"dtype {dtype}"):
+            log.dumps(torch.zeros(4, dtype=dtype))
+    deep: list = []
+    inner = deep
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        log.dumps(deep)
+    # large tensors are summarized by the kernels (one pass, no copy), not the reference's temporaries
+    from nanscan.kernels import reference
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference was used")
+
+    monkeypatch.setattr(reference, "summarize", refuse)
+    assert log.loads(log.dumps(torch.ones(1000)))["numel"] == 1000

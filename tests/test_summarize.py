@@ -175,6 +175,13 @@ def test_unsupported_inputs_raise_clear_errors(backend):
         nanscan.summarize(torch.empty(3, device="meta"), backend=backend)
 
 
+def test_a_tensor_is_not_a_list_of_tensors():
+    for fn in (nanscan.summarize_many, nanscan.records):
+        with pytest.raises(TypeError, match="got a tensor of shape \\(3, 4\\)"):
+            fn(torch.ones(3, 4))
+    assert len(nanscan.summarize_many(list(torch.ones(3, 4)))) == 3  # the rows, when asked for
+
+
 def test_cpu_kernel_and_reference_accept_the_same_dtypes():
     """The C++ list (NANSCAN_FORALL_REAL_DTYPES in csrc/inputs.h) and the reference's agree, over
     every dtype this torch has."""

@@ -144,7 +144,13 @@ class Monitor:
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale record it once)
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._handles: list = []
-        self._install()
+        try:
+            self._install()
+        except BaseException:  # a half-installed monitor leaves nothing behind on the model
+            for handle in self._handles:
+                handle.remove()
+            self.hooks.close()
+            raise
 
     # ------------------------------------------------------------------ setup
     def _install(self) -> None:
@@ -814,6 +820,13 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                          "never run inside the compiled graph. Call nanscan.watch(model) first, then model.compile()")
     if not any(True for _ in model.parameters()):
         raise ValueError("nanscan.watch: the model has no parameters; there is nothing to train or watch")
+    if optimizer is not None and not (callable(getattr(optimizer, "register_step_pre_hook", None))
+                                      and hasattr(optimizer, "param_groups")):
+        raise TypeError(f"nanscan.watch: optimizer must be a torch.optim.Optimizer (or None), got "
+                        f"{type(optimizer).__name__}: {optimizer!r}"[:300])
+    if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "scale", None))):
+        raise TypeError(f"nanscan.watch: scaler must be a torch.amp.GradScaler (or None), got "
+                        f"{type(scaler).__name__}: {scaler!r}"[:300])
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"nanscan.watch: every must be an int >= 1, got {every!r}")
     if mode not in MODES:
