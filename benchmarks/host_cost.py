@@ -14,6 +14,7 @@ of each variant over the rounds):
   default kernels they are taken by a C++ hook, so this shows what that hook costs);
 - watched, activations=False: no module hooks at all, only the parameter / gradient / update
   checks and the read (what the hooks cost is the difference to the every-step row);
+- watched, headroom_bits=4: the every-step row plus the headroom check (issue 15) on each read;
 - watched every=1000: the unchecked steps after the first, checked, one.
 
 "Per module" divides by ``len(list(model.modules()))`` = 201 (the 200 layers and the Sequential
@@ -86,6 +87,7 @@ def _variants():
     return {"unwatched": unwatched, "no-op hooks (floor)": noop_hooks,
             "watched (every step)": watched(1), "watched, activation_grads=False": watched(1, activation_grads=False),
             "watched, activations=False": watched(1, activations=False),
+            "watched, headroom_bits=4": watched(1, headroom_bits=4),
             "watched every=1000 (unchecked)": watched(1000)}
 
 

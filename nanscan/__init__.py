@@ -23,7 +23,7 @@ from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, all_reduc
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records, summarize, summarize_many
 
-__version__ = "0.1.0"
+from nanscan._version import __version__
 
 __all__ = [
     "BackendResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends", "capture_bundle",

@@ -11,6 +11,12 @@ cannot fix. nanscan stops the step before the update, names the step, phase and 
 values were produced there, writes the bundle, and the replay names the op -- and shows it is
 finite in FP32. The event log becomes a report (PNG when matplotlib is installed).
 
+Part 3 is the early warning (``watch(..., headroom_bits=True)``): the same model, fp16 autocast, but
+one MLP's weights start 32x too large and grow 5% a step (what a learning rate too high for an
+unnormalized layer does).
+Its fp16 activations creep towards 65504; nanscan names the module dozens of steps before the
+first Inf, with the step at which the trend reaches it, and the report plots the drift.
+
 The model is :mod:`nanscan.demo_model`'s; this module is the story around it (the planted batch,
 the loop, what is printed).
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 from typing import Optional
 
 import torch
@@ -26,9 +33,13 @@ import torch
 import nanscan
 from nanscan import report
 from nanscan.demo_model import make_model, step_loss
+from nanscan.monitor.headroom import HeadroomWarning
 
 PLANTED_STEP = 14
 STEPS = 18
+DRIFT = 1.05  # part 3: blocks.1.fc's weights start 32x too large and grow 5% a step
+DRIFT_START = 32.0
+DRIFT_MODULE = "blocks.1.fc"
 
 
 def examples() -> list:
@@ -148,6 +159,59 @@ def walkthrough(workdir: str) -> int:
     return 0 if ok else 1
 
 
+def headroom_walkthrough(workdir: str) -> int:
+    """Part 3: warned before the overflow. Returns 0 when the warning named the module that then
+    overflowed, at least 20 steps ahead, with an overflow step predicted within 25%."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = make_model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler(device)
+    drifting = model.get_submodule(DRIFT_MODULE)
+    with torch.no_grad():
+        drifting.weight.mul_(DRIFT_START)
+    log_path = os.path.join(workdir, "headroom.jsonl")
+    print(f"\n== 3. early warning: {DRIFT_MODULE}'s weights start {DRIFT_START:g}x too large and grow "
+          f"{100 * (DRIFT - 1):.0f}% a step, fp16 autocast on {device} ==")
+    print(f"nanscan.watch(model, opt, scaler, headroom_bits=True, log={log_path!r})")
+    gen = torch.Generator().manual_seed(1)
+    error: Optional[nanscan.NonFiniteError] = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HeadroomWarning)  # (printed below, from mon.headroom_events)
+        try:
+            with nanscan.watch(model, opt, scaler, headroom_bits=True, log=log_path) as mon:
+                for step in range(1000):
+                    with torch.no_grad():
+                        drifting.weight.mul_(DRIFT)
+                    x = torch.randn(16, 24, 32, generator=gen).to(device)
+                    with torch.autocast(device, dtype=torch.float16):
+                        loss = step_loss(model, (x, x.mean(dim=-1)))
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
+        except nanscan.NonFiniteError as e:
+            error = e
+    if error is None or not mon.headroom_events:
+        print("no overflow or no warning (unexpected)")
+        return 1
+    warned = mon.headroom_events[0]
+    inc = error.incident
+    print(f"WARNING   {warned}")
+    print(f"INCIDENT  {inc}")
+    ahead = inc.step - warned.step
+    print(f"-> warned {ahead} steps before the first Inf, in the module that overflowed "
+          f"('{warned.name}' / '{inc.name}'); predicted step {warned.overflow_step}, actual {inc.step}")
+    print("\n" + report.text_report(log_path))
+    png = os.path.join(workdir, "headroom.png")
+    try:
+        report.plot_report(log_path, png)
+        print(f"report plot: {png}")
+    except ImportError as e:
+        print(f"(no plot: {e})")
+    close = warned.overflow_step is not None and abs(warned.overflow_step - inc.step) <= 0.25 * ahead
+    return 0 if (warned.name == inc.name and inc.phase == "forward" and ahead >= 20 and close) else 1
+
+
 def main(argv=None) -> int:
     print(f"nanscan {nanscan.__version__}: torch {torch.__version__}; backends here: "
           f"{', '.join(nanscan.available_backends())}")
@@ -155,7 +219,8 @@ def main(argv=None) -> int:
     tensor_table()
     workdir = (argv or [None])[0] if argv else None
     workdir = workdir or tempfile.mkdtemp(prefix="nanscan-demo-")
-    return walkthrough(workdir)
+    status = walkthrough(workdir)
+    return headroom_walkthrough(workdir) or status
 
 
 if __name__ == "__main__":

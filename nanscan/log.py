@@ -2,7 +2,7 @@
 
 **Encoding** (:func:`encode`, :func:`dumps`, :func:`dump`): the output always passes
 ``json.dumps(..., allow_nan=False)`` (forced). A non-finite float becomes
-``{"finite": false, "value": "nan" | "inf" | "-inf"}`` (:func:`nanscan.record.json_float`); nothing is
+``{"finite": false, "value": "nan" | "inf" | "-inf"}`` (:func:`nanscan.jsonl.encode_float`); nothing is
 replaced by 0 or dropped. Dict keys go through ``str()`` (two keys with the same ``str`` are a
 ``ValueError``); tuples, lists, ``torch.Size`` -> lists; sets -> sorted lists (unsorted if not
 sortable); numpy scalars -> bool / int / float; a numpy array or torch tensor with at most
@@ -45,11 +45,10 @@ from typing import Any, Optional
 
 import torch
 
-from nanscan import _version
+from nanscan import _version, jsonl
 from nanscan.record import TensorSummary, json_float
 
 MAX_ELEMENTS = 64
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _type_name(obj) -> str:
@@ -57,20 +56,45 @@ def _type_name(obj) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _summary(x: torch.Tensor) -> dict:
-    from nanscan.summary import summarize  # lazy: nanscan/__init__ may import this module
+_WIDE_UNSIGNED = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if hasattr(torch, n))
 
-    if x.dtype in (torch.uint16, torch.uint32, torch.uint64):  # finite by definition; not a kernel dtype
-        d = summarize(x.to(torch.float64 if x.dtype == torch.uint64 else torch.int64), backend="reference").to_dict()
+
+def _summarize(x: torch.Tensor):
+    """The tensor's summary with the default kernels (one pass, no copy), the reference only when
+    the compiled library is missing (it makes temporaries several times the tensor's size)."""
+    from nanscan.summary import summarize  # lazy: nanscan/__init__ may import this module
+    from nanscan._ops import ExtensionError
+
+    try:
+        return summarize(x)
+    except ExtensionError:
+        return summarize(x, backend="reference")
+
+
+def _summary(x: torch.Tensor) -> dict:
+    if x.dtype in _WIDE_UNSIGNED:  # finite by definition; not a kernel dtype
+        d = _summarize(x.to(torch.float64 if x.dtype == torch.uint64 else torch.int64)).to_dict()
         return {"__summary__": True, **d, "dtype": str(x.dtype).replace("torch.", "")}
-    return {"__summary__": True, **summarize(x, backend="reference").to_dict()}
+    return {"__summary__": True, **_summarize(x).to_dict()}
+
+
+def _encodable_dtype(dtype: torch.dtype) -> bool:
+    from nanscan.kernels.reference import supports_dtype
+
+    return dtype in _WIDE_UNSIGNED or supports_dtype(dtype)
 
 
 def _tensor(x: torch.Tensor, max_elements: int, seen) -> Any:
     x = x.detach()
+    if x.is_nested:
+        raise TypeError(f"nanscan.log cannot encode a nested tensor ({x.dtype}); encode its components "
+                        f"(list(x.unbind()))")
     if x.layout != torch.strided or x.is_quantized or x.device.type == "meta":
         what = "meta" if x.device.type == "meta" else ("quantized" if x.is_quantized else str(x.layout))
         raise TypeError(f"nanscan.log cannot encode a {what} tensor ({x.dtype}{list(x.shape)})")
+    if not _encodable_dtype(x.dtype):
+        raise TypeError(f"nanscan.log cannot encode a tensor of dtype {x.dtype} (sub-byte, bits and other "
+                        f"storage-only dtypes have no values to write); convert it first")
     if x.numel() > max_elements:
         return _summary(x)
     if x.is_complex():
@@ -161,24 +185,24 @@ def _container(obj, max_elements: int, seen) -> Any:
 
 
 def dumps(obj: Any, *, max_elements: int = MAX_ELEMENTS, **kw) -> str:
-    """Strict JSON text of ``obj`` (``allow_nan=False`` is forced; other ``json.dumps`` options pass)."""
+    """Strict JSON text of ``obj`` (``allow_nan=False`` is forced; other ``json.dumps`` options pass).
+    Nesting too deep to encode is a ``ValueError``."""
     kw["allow_nan"] = False
-    return json.dumps(encode(obj, max_elements), **kw)
+    try:
+        return json.dumps(encode(obj, max_elements), **kw)
+    except RecursionError:
+        raise ValueError(f"nanscan.log: {jsonl.MAX_DEPTH_MESSAGE}") from None
 
 
 def dump(obj: Any, fp, *, max_elements: int = MAX_ELEMENTS, **kw) -> None:
     fp.write(dumps(obj, max_elements=max_elements, **kw))
 
 
-def _decode(d: dict) -> Any:
-    if len(d) == 2 and d.get("finite", True) is False and d.get("value") in _NONFINITE:
-        return _NONFINITE[d["value"]]
-    return d
-
-
 def loads(s) -> Any:
-    """Parse JSON; ``{"finite": false, "value": "nan"|"inf"|"-inf"}`` objects become floats."""
-    return json.loads(s, object_hook=_decode)
+    """Parse JSON; ``{"finite": false, "value": "nan"|"inf"|"-inf"}`` objects become floats
+    (:func:`nanscan.jsonl.loads`: anything that is not JSON, too deep nesting included, is a
+    ``ValueError``)."""
+    return jsonl.loads(s)
 
 
 def load(fp) -> Any:
@@ -282,30 +306,18 @@ class EventLog:
         self.close()
 
 
-def _is_header(line: str) -> bool:
-    try:
-        event = loads(line)
-    except ValueError:
-        return False
-    return isinstance(event, dict) and event.get("type") == "header"
-
-
 def read_events(path) -> list:
-    """Every event of a JSONL log, decoded with :func:`loads`. Blank lines are skipped; a line that
-    does not parse is skipped with a warning when it was torn by a crash (the last line, or a line
-    followed by a new writer's header); any other bad line is a ``ValueError`` naming its number."""
-    with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
-        lines = [(n, line) for n, line in enumerate(f.read().split("\n"), 1) if line.strip()]
+    """Every event of a JSONL log, decoded with :func:`loads` (lines: :func:`nanscan.jsonl.parse_lines`).
+    Blank lines are skipped; a line that does not parse is skipped with a warning when it was torn
+    by a crash (the last line, or a line followed by a new writer's header); any other bad line is a
+    ``ValueError`` naming its number."""
     events = []
-    for i, (n, line) in enumerate(lines):
-        try:
-            event = loads(line)
-        except ValueError as e:
-            if i + 1 == len(lines) or _is_header(lines[i + 1][1]):
-                warnings.warn(f"{path}:{n}: skipping a truncated event line (crash mid-write?)", stacklevel=2)
+    for event in jsonl.read_lines(path):
+        if event.get("type") == "unparsed":
+            if event["torn"]:
+                warnings.warn(f"{path}:{event['line']}: skipping a truncated event line (crash mid-write?)",
+                              stacklevel=2)
                 continue
-            raise ValueError(f"{path}:{n}: not a JSON event line: {e}") from None
-        if not isinstance(event, dict):
-            raise ValueError(f"{path}:{n}: an event line must be a JSON object, got {type(event).__name__}")
+            raise ValueError(f"{path}:{event['line']}: {event['error']}")
         events.append(event)
     return events

@@ -14,6 +14,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from nanscan.jsonl import encode_float
+
 
 class Field(enum.IntEnum):
     NAN_COUNT = 0
@@ -29,13 +31,7 @@ class Field(enum.IntEnum):
 RECORD_SIZE = len(Field)
 
 
-def json_float(value: Optional[float]) -> Any:
-    """A float as strict JSON: a number when finite, ``{"finite": false, "value": "nan"|"inf"|"-inf"}``
-    otherwise, ``None`` stays ``null``. Non-finite values are never replaced or dropped."""
-    if value is None or math.isfinite(value):
-        return value
-    text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return {"finite": False, "value": text}
+json_float = encode_float  # (the one home of the format: nanscan.jsonl)
 
 
 @dataclasses.dataclass(frozen=True)

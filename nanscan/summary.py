@@ -37,6 +37,14 @@ def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     return _ops.kernels(backend, x.device)[0](x)
 
 
+def _as_list(xs, op: str) -> list:
+    """``xs`` as a list of tensors. A tensor is refused: iterating it would summarize its rows."""
+    if isinstance(xs, torch.Tensor):
+        raise TypeError(f"{op} takes a list (or other sequence) of tensors, got a tensor of shape {tuple(xs.shape)}: "
+                        f"for one tensor use nanscan.summarize(x) / nanscan.record(x); for its rows, pass list(x)")
+    return list(xs)
+
+
 def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
     """The ``[len(xs), 8]`` float64 records of ``xs`` (all on one device), in as few launches as the
     backend allows. An empty list gives a ``[0, 8]`` CPU tensor.
@@ -44,7 +52,7 @@ def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.
     No Python work per tensor on the way: the kernels check their inputs (in C++ for the cpu and
     cuda backends). Only when the op refuses the list are the tensors checked here, one by one, to
     say which one is wrong and why (the op's own error is kept as the cause)."""
-    xs = list(xs)
+    xs = _as_list(xs, "nanscan.records")
     if not xs:  # no tensor, no device: the dispatcher could not route the op
         return torch.empty(0, RECORD_SIZE, dtype=torch.float64)
     try:
@@ -85,7 +93,7 @@ def summarize_many(xs: Sequence[torch.Tensor], backend: Optional[str] = None) ->
     """Summarize every tensor of ``xs`` (one launch group, one host copy for all of them). DTensors
     get their global summaries, combined in one collective per mesh dimension for all of them
     (they must share one mesh; every rank of it calls this with the same list)."""
-    xs = list(xs)
+    xs = _as_list(xs, "nanscan.summarize_many")
     shards = [k for k, x in enumerate(xs) if sharded.is_dtensor(x)]
     for k, x in enumerate(xs):
         if k not in shards:

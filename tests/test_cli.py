@@ -9,7 +9,7 @@ from nanscan import _ops
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "nanscan", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "nanscan", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_info_json_tells_backends_and_cuda_build():
@@ -35,6 +35,14 @@ def test_demo_walks_through_the_incident(tmp_path):
     report = run("report", str(tmp_path / "events.jsonl"), "-o", str(tmp_path / "r.png"))
     assert report.returncode == 0 and "step 14" in report.stdout
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # part 3: the drifting fp16 activation is warned about 20+ steps before its first Inf
+    warned = re.search(r"WARNING   nanscan: blocks\.1\.fc \(activation, forward, float16\) is [\d.]+ bits from overflow "
+                       r"at step (\d+) .*overflows near step (\d+) at this rate", out.stdout)
+    overflow = re.search(r"INCIDENT  non-finite output of module 'blocks\.1\.fc' at step (\d+), phase forward", out.stdout)
+    assert warned and overflow, out.stdout
+    (warn_step, predicted), actual = map(int, warned.groups()), int(overflow.group(1))
+    assert actual - warn_step >= 20 and abs(predicted - actual) <= 0.25 * (actual - warn_step)
+    assert "headroom warnings (" in out.stdout and (tmp_path / "headroom.png").exists()
 
 
 def test_cli_errors_are_one_line_not_a_traceback(tmp_path):

@@ -1,6 +1,6 @@
 """More distributed loops on gloo ranks (CPU), each with faults planted on rank 1 only:
 DDP with no_sync() gradient accumulation (2 ranks), FSDP2 with activation checkpointing
-(2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
+(torch.utils.checkpoint reentrant and not, checkpoint_wrapper, composable checkpoint; 2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
 fault's real step and phase, once."""
 import pytest
 import torch
@@ -27,10 +27,16 @@ def ddp_no_sync(rank, fault):
                 for micro in range(2):  # gradient accumulation: the first micro-step without the all-reduce
                     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + micro + 100 * rank))
                     planted = rank == 1 and step == 2 and micro == 1
-                    inner[2].mode = fault if planted else None
+                    inner[2].mode = fault if planted and fault in ("forward", "backward") else None
+                    if planted and fault == "batch":
+                        x[1, 3] = float("nan")
                     ctx = model.no_sync() if micro == 0 else torch.enable_grad()
                     with ctx:
                         model(x).pow(2).mean().backward()
+                if rank == 1 and step == 2 and fault == "update":  # after the all-reduce: rank 1's update only
+                    inner[0].weight.grad.fill_(1e38)
+                    for group in opt.param_groups:
+                        group["lr"] = 1e3
                 opt.step()
                 opt.zero_grad()
             seen["ledger"] = [mon.ledger.attempted, mon.ledger.applied]
@@ -50,57 +56,89 @@ class Block(nn.Module):
 
 
 class CheckpointedNet(nn.Module):
-    def __init__(self, use_reentrant):
+    """``how``: ``"reentrant"`` / ``"non-reentrant"`` (torch.utils.checkpoint in forward),
+    ``"wrapper"`` (``checkpoint_wrapper``, torchtitan's default with FSDP2: the block becomes
+    ``block._checkpoint_wrapped_module``) or ``"composable"`` (``torch.distributed._composable
+    .checkpoint``: hooks on the block, non-reentrant)."""
+
+    def __init__(self, how):
         super().__init__()
         self.inp, self.block, self.out = nn.Linear(8, 16), Block(), nn.Linear(16, 1)
-        self.use_reentrant = use_reentrant
+        self.how = how
+        if how == "wrapper":
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            self.block = checkpoint_wrapper(self.block)
+        elif how == "composable":
+            from torch.distributed._composable import checkpoint as composable_checkpoint
+
+            composable_checkpoint(self.block)
 
     def forward(self, x):
         h = self.inp(x)
-        h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)  # recomputed in the backward
+        if self.how in ("reentrant", "non-reentrant"):  # recomputed in the backward
+            h = checkpoint(self.block, h, use_reentrant=self.how == "reentrant")
+        else:
+            h = self.block(h)
         return self.out(h)
 
 
-def fsdp_checkpoint(rank, fault, use_reentrant):
+def fsdp_checkpoint(rank, fault, how):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = CheckpointedNet(use_reentrant)
+    model = CheckpointedNet(how)
     for m in (model.inp, model.block, model.out):
         fully_shard(m)
     fully_shard(model)
-    return ranks.planted_run(model, model.block.faulty, rank, fault,
-                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)))
+    faulty = model.block._checkpoint_wrapped_module.faulty if how == "wrapper" else model.block.faulty
+    return ranks.planted_run(model, faulty, rank, fault,
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank)),
+                             update_param=model.inp.weight)
+
+
+FAULTS = ("forward", "backward", "batch", "update")
+CHECKPOINTING = ("non-reentrant", "reentrant", "wrapper", "composable")
 
 
 def worker2(rank, world):
     results = {}
-    for fault in ("forward", "backward"):
+    for fault in FAULTS:
         results[f"ddp-{fault}"] = ddp_no_sync(rank, fault)
         dist.barrier()
-        for reentrant in (False, True):
-            results[f"ckpt-{fault}-{reentrant}"] = fsdp_checkpoint(rank, fault, reentrant)
+        for how in CHECKPOINTING:
+            results[f"ckpt-{fault}-{how}"] = fsdp_checkpoint(rank, fault, how)
             dist.barrier()
     return results
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_no_sync_and_fsdp2_checkpointing_name_rank_1(tmp_path):
+    ddp_expected = {"forward": (2, "forward", "module.2", True), "backward": (2, "backward", "module.2", True),
+                    "batch": (2, "forward", "module.0", False),  # propagated from rank 1's batch
+                    "update": (2, "update", "module.0.weight", True)}
+    ckpt_expected = {"forward": (2, "forward", "block.faulty", True), "backward": (2, "backward", "block.faulty", True),
+                     "batch": (2, "forward", "inp", False), "update": (2, "update", "inp.weight", True)}
     for r, results in enumerate(ranks.spawn(worker2, 2, tmp_path)):
-        for fault in ("forward", "backward"):
+        for fault in FAULTS:
             ddp = results[f"ddp-{fault}"]
-            assert ranks.key(ddp) == (2, fault, "module.2", True, 1), (r, fault, ddp)  # (names under "module.")
-            assert ddp["ledger"] == [3, 2], ddp  # one step per optimizer.step, not per micro-step
-            for reentrant in (False, True):
-                seen = results[f"ckpt-{fault}-{reentrant}"]
-                if fault == "backward" and reentrant:
+            assert ranks.key(ddp) == ddp_expected[fault] + (1,), (r, fault, ddp)  # (names under "module.")
+            # one step per optimizer.step, not per micro-step (an update fault of step 2 is read with step
+            # 3's records, before step 3's update: 4 attempts, 3 applied)
+            assert ddp["ledger"] == ([4, 3] if fault == "update" else [3, 2]), (fault, ddp)
+            for how in CHECKPOINTING:
+                seen = results[f"ckpt-{fault}-{how}"]
+                if fault == "backward" and how == "reentrant":
                     # A reentrant checkpoint runs the block's first forward without grad, so no
                     # output gradient inside it is tapped, and the recomputation inside the
                     # backward is not recorded: the first record is a (reduced) parameter
                     # gradient, and nanscan says it cannot tell (produced=None), never "produced".
                     assert (seen.get("step"), seen.get("phase"), seen.get("produced")) == (2, "backward", None), seen
                     continue
-                assert ranks.key(seen) == (2, fault, "block.faulty", True, 1), (r, fault, reentrant, seen)
+                want = ckpt_expected[fault]
+                if how == "wrapper":
+                    want = (want[0], want[1], want[2].replace("block.", "block._checkpoint_wrapped_module."), want[3])
+                assert ranks.key(seen) == want + (1,), (r, fault, how, seen)
 
 
 def fsdp_x_tp(rank, mesh, fault):
@@ -114,7 +152,8 @@ def fsdp_x_tp(rank, mesh, fault):
     dp_rank = mesh["dp"].get_local_rank()
     # the same batch within a tensor-parallel group, different ones across data-parallel ranks
     return ranks.planted_run(model, model[1], rank, fault,
-                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)))
+                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)),
+                             update_param=model[4].weight)
 
 
 def worker4(rank, world):
@@ -122,7 +161,7 @@ def worker4(rank, world):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     results = {}
-    for fault in ("forward", "backward"):
+    for fault in FAULTS:
         results[fault] = fsdp_x_tp(rank, mesh, fault)
         dist.barrier()
     return results
@@ -130,6 +169,8 @@ def worker4(rank, world):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_fsdp_x_tensor_parallel_on_a_2d_mesh_names_rank_1(tmp_path):
+    expected = {"forward": (2, "forward", "1", True), "backward": (2, "backward", "1", True),
+                "batch": (2, "forward", "0", False), "update": (2, "update", "4.weight", True)}
     for r, results in enumerate(ranks.spawn(worker4, 4, tmp_path)):
         for fault, seen in results.items():
-            assert ranks.key(seen) == (2, fault, "1", True, 1), (r, fault, seen)
+            assert ranks.key(seen) == expected[fault] + (1,), (r, fault, seen)

@@ -1,6 +1,7 @@
 """DTensor summaries on gloo ranks (CPU): nanscan.summarize(dt) is the summary of the global
 tensor -- counts, min / max, sum of squares and the first non-finite index in global row-major
-order -- for Shard(d) (even and uneven), Replicate and 2-D meshes; Partial is refused clearly."""
+order -- for Shard(d) (even and uneven), Replicate and 2-D meshes; Partial is refused clearly;
+nanscan.record(dt) compiles (fullgraph) to the same local record."""
 import json
 import math
 import os
@@ -52,6 +53,9 @@ def worker(rank, world, out_dir):
         results[name] = {"dtensor": as_list(nanscan.summarize(dt)), "full": as_list(nanscan.summarize(x))}
     many = nanscan.summarize_many(dts)  # one list, one collective per mesh dimension
     results["many"] = [as_list(s) for s in many]
+    if world == 2:  # record(dt) inside a compiled graph (fullgraph): the same local record as eager
+        compiled = torch.compile(lambda t: nanscan.record(t), fullgraph=True, backend="aot_eager")
+        results["compiled"] = [torch.equal(compiled(dt), nanscan.record(dt)) for dt in dts]
     try:
         from torch.distributed.tensor import DTensor
         p = DTensor.from_local(torch.ones(2, 2), mesh, [Partial()] * mesh.ndim)
@@ -81,6 +85,7 @@ def test_dtensor_summary_is_the_global_tensors(tmp_path, world):
         zeros = 2 if pair[0] == 0 else 1
         assert (nan, zero, mn, mx, first, first_rank) == (1, zeros, 0, pair[1], 1, [1])
         many = results.pop("many")
+        assert results.pop("compiled", [True] * len(many)) == [True] * len(many)
         assert "Partial" in results.pop("partial")
         assert many == [got["dtensor"] for got in results.values()]  # the list: the same summaries
         for name, got in results.items():

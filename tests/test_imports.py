@@ -6,9 +6,12 @@ other. Importing a submodule makes Python import its parent package first; that 
 not a dependency the submodule chose, so only written imports count."""
 import ast
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
+
+import nanscan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "nanscan")
@@ -103,7 +106,8 @@ def test_no_import_cycles_in_nanscan():
 
 def test_report_imports_neither_torch_nor_the_rest_of_nanscan(tmp_path):
     """``nanscan.report`` works where only the log is: torch blocked, and nanscan/__init__ (which
-    imports torch) replaced by a bare package so that only the report's own modules run."""
+    imports torch) replaced by a bare package so that only the report's own modules (and the
+    torch-free JSON format, nanscan.jsonl) run."""
     log = tmp_path / "events.jsonl"
     log.write_text('{"type": "step", "step": 0, "rank": 0, "loss": {"finite": false, "value": "nan"}}\n')
     code = textwrap.dedent(f"""
@@ -116,8 +120,19 @@ def test_report_imports_neither_torch_nor_the_rest_of_nanscan(tmp_path):
         text = report.text_report({str(log)!r})
         assert "step 0: loss non-finite" in text, text
         loaded = sorted(m for m in sys.modules if m.startswith("nanscan."))
-        assert all(m.startswith("nanscan.report") for m in loaded), loaded
+        assert all(m.startswith("nanscan.report") or m == "nanscan.jsonl" for m in loaded), loaded
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
+def test_every_subpackage_is_packaged():
+    """pyproject's explicit package list names every package under nanscan/ (an editable install
+    finds them anyway; a wheel would silently leave one out)."""
+    import tomllib
+
+    root = pathlib.Path(nanscan.__file__).parent
+    found = {".".join(p.parent.relative_to(root.parent).parts) for p in root.rglob("__init__.py")}
+    listed = set(tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    assert found == listed

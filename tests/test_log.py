@@ -298,3 +298,51 @@ def test_read_events_truncated_and_bad_lines(tmp_path):
     bad.write_text('{"type": "header"}\n[1, 2]\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: an event line must be a JSON object"):
         log.read_events(bad)
+
+
+def test_one_json_format_for_log_record_and_report(tmp_path):
+    """nanscan.jsonl is the one home of the format: the log, records and the report agree on
+    markers, torn lines and odd input (each case failed somewhere before)."""
+    from nanscan import jsonl, report
+    from nanscan.record import json_float
+
+    assert json_float is jsonl.encode_float
+    # a marker needs exactly its two keys and one of the three strings; anything else is data
+    assert log.loads('{"finite": false, "value": []}') == {"finite": False, "value": []}
+    assert report.loads('{"finite": false, "value": "nan", "x": 1}') == {"finite": False, "value": "nan", "x": 1}
+    assert math.isnan(report.loads('{"finite": false, "value": "nan"}'))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        log.loads("[" * 100000)
+    # a raw U+2028 inside a string is part of its line, for both readers
+    path = tmp_path / "events.jsonl"
+    line = json.dumps({"type": "step", "step": 0, "rank": 0, "note": "a\u2028b"}, ensure_ascii=False)
+    path.write_text('{"type": "header", "rank": 0}\n' + line + "\n" + '{"type": "step", "st', encoding="utf-8")
+    with pytest.warns(UserWarning, match="truncated"):
+        events = log.read_events(path)
+    assert [e.get("note") for e in events] == [None, "a\u2028b"]
+    parsed = report.load_events(str(path))
+    assert parsed[1]["note"] == "a\u2028b" and parsed[2]["type"] == "unparsed" and parsed[2]["torn"]
+    assert "last line 3 is truncated" in report.text_report(str(path))
+
+
+def test_tensors_without_values_and_deep_nesting_are_clear_errors(monkeypatch):
+    with pytest.raises(TypeError, match="nested tensor"):
+        log.dumps(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged))
+    for dtype in [d for d in (getattr(torch, n, None) for n in ("bits8", "uint1", "int4")) if d is not None]:
+        with pytest.raises(TypeError, match=f"dtype {dtype}"):
+            log.dumps(torch.zeros(4, dtype=dtype))
+    deep: list = []
+    inner = deep
+    for _ in range(5000):
+        inner.append([])
+        inner = inner[0]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        log.dumps(deep)
+    # large tensors are summarized by the kernels (one pass, no copy), not the reference's temporaries
+    from nanscan.kernels import reference
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference was used")
+
+    monkeypatch.setattr(reference, "summarize", refuse)
+    assert log.loads(log.dumps(torch.ones(1000)))["numel"] == 1000

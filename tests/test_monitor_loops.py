@@ -542,3 +542,27 @@ def test_async_fault_in_the_last_step_is_reported_at_exit_without_close(tmp_path
                          cwd=root, env={**__import__("os").environ, "PYTHONPATH": root})
     assert "training done" in out.stdout
     assert "nanscan (at exit, monitor never closed)" in out.stderr and "'block' at step 2" in out.stderr
+
+
+def test_bad_optimizer_or_a_failed_install_leaves_no_hook_on_the_model(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+    def hooks():
+        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        nanscan.watch(model, optimizer="sgd")
+    with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler"):
+        nanscan.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=1.0)
+    assert hooks() == 0
+
+    def broken(self):
+        raise RuntimeError("planted failure while wrapping the scaler")
+
+    monkeypatch.setattr(nanscan.monitor.monitor.Monitor, "_wrap_scaler_step", broken)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        nanscan.watch(model, opt, torch.amp.GradScaler("cpu"))
+    assert hooks() == 0 and not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    with nanscan.watch(model, opt):  # and the model can be watched afterwards
+        pass

@@ -175,6 +175,36 @@ def test_unsupported_inputs_raise_clear_errors(backend):
         nanscan.summarize(torch.empty(3, device="meta"), backend=backend)
 
 
+def test_a_tensor_is_not_a_list_of_tensors():
+    for fn in (nanscan.summarize_many, nanscan.records):
+        with pytest.raises(TypeError, match="got a tensor of shape \\(3, 4\\)"):
+            fn(torch.ones(3, 4))
+    assert len(nanscan.summarize_many(list(torch.ones(3, 4)))) == 3  # the rows, when asked for
+
+
+def test_cpu_kernel_and_reference_accept_the_same_dtypes():
+    """The C++ list (NANSCAN_FORALL_REAL_DTYPES in csrc/inputs.h) and the reference's agree, over
+    every dtype this torch has."""
+    dtypes = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+    checked = 0
+    for dtype in dtypes:
+        try:
+            x = torch.zeros(3, dtype=dtype)
+        except Exception:  # (dtypes without CPU tensors: nothing to summarize)
+            continue
+        accepted = {}
+        for backend in ("cpu", "reference"):
+            try:
+                nanscan.record(x, backend=backend)
+                accepted[backend] = True
+            except TypeError as e:
+                assert "is not supported" in str(e), (dtype, backend, e)
+                accepted[backend] = False
+        assert accepted["cpu"] == accepted["reference"], (dtype, accepted)
+        checked += 1
+    assert checked >= 20
+
+
 def test_backend_choice_errors_and_env(monkeypatch):
     with pytest.raises(ValueError, match="unknown nanscan backend backend='fast'; choose one of cpu, cuda"):
         nanscan.summarize(torch.ones(2), backend="fast")

@@ -331,20 +331,7 @@ void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t e
 
 void scan_any(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t end, Partial<double>& out) {
   switch (t.scalar_type()) {
-    NANSCAN_CPU_CASE(kDouble, double)
-    NANSCAN_CPU_CASE(kFloat, float)
-    NANSCAN_CPU_CASE(kHalf, c10::Half)
-    NANSCAN_CPU_CASE(kBFloat16, c10::BFloat16)
-    NANSCAN_CPU_CASE(kFloat8_e4m3fn, c10::Float8_e4m3fn)
-    NANSCAN_CPU_CASE(kFloat8_e5m2, c10::Float8_e5m2)
-    NANSCAN_CPU_CASE(kFloat8_e4m3fnuz, c10::Float8_e4m3fnuz)
-    NANSCAN_CPU_CASE(kFloat8_e5m2fnuz, c10::Float8_e5m2fnuz)
-    NANSCAN_CPU_CASE(kBool, bool)
-    NANSCAN_CPU_CASE(kByte, uint8_t)
-    NANSCAN_CPU_CASE(kChar, int8_t)
-    NANSCAN_CPU_CASE(kShort, int16_t)
-    NANSCAN_CPU_CASE(kInt, int32_t)
-    NANSCAN_CPU_CASE(kLong, int64_t)
+    NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CPU_CASE)
     default:
       TORCH_CHECK_TYPE(false, "nanscan: unexpected dtype ", t.scalar_type(), " (", kSupportedText, ")");
   }

@@ -359,20 +359,11 @@ template <typename T> struct Tag { using type = T; };
 
 template <typename F> void dispatch(at::ScalarType st, const F& f) {
   switch (st) {
-    case at::kDouble: return f(Tag<double>{});
-    case at::kFloat: return f(Tag<float>{});
-    case at::kHalf: return f(Tag<c10::Half>{});
-    case at::kBFloat16: return f(Tag<c10::BFloat16>{});
-    case at::kFloat8_e4m3fn: return f(Tag<c10::Float8_e4m3fn>{});
-    case at::kFloat8_e5m2: return f(Tag<c10::Float8_e5m2>{});
-    case at::kFloat8_e4m3fnuz: return f(Tag<c10::Float8_e4m3fnuz>{});
-    case at::kFloat8_e5m2fnuz: return f(Tag<c10::Float8_e5m2fnuz>{});
-    case at::kBool: return f(Tag<bool>{});
-    case at::kByte: return f(Tag<uint8_t>{});
-    case at::kChar: return f(Tag<int8_t>{});
-    case at::kShort: return f(Tag<int16_t>{});
-    case at::kInt: return f(Tag<int32_t>{});
-    case at::kLong: return f(Tag<int64_t>{});
+#define NANSCAN_CUDA_CASE(enum_type, cpp_type) \
+  case at::enum_type:                           \
+    return f(Tag<cpp_type>{});
+    NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CUDA_CASE)
+#undef NANSCAN_CUDA_CASE
     default: TORCH_CHECK_TYPE(false, "nanscan: dtype ", st, " is not supported (", kSupportedText, ")");
   }
 }

@@ -26,6 +26,7 @@
 //       records, and the Rows of the window
 //   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
 //       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
+//       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
 //     fast_hooks() -> (pre, post): pre(info, module, args, kwargs), post(info, module, args, kwargs,
@@ -38,6 +39,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -132,6 +134,33 @@ struct Rows {
     std::sort(out.begin(), out.end());
     out.erase(std::unique(out.begin(), out.end()), out.end());
     return out;
+  }
+
+  // Per entry the largest finite value of its tensor's dtype (of the real part for complex
+  // dtypes; NaN for an entry that is a Python object or not floating): the headroom check
+  // (nanscan/monitor/headroom.py) reads it for every row without making a Python object per row.
+  at::Tensor dtype_maxima() const {
+    at::Tensor out = at::full({static_cast<int64_t>(row_of.size())}, std::numeric_limits<double>::quiet_NaN(),
+                              at::kDouble);
+    double* maxima = out.data_ptr<double>();
+    for (size_t e = 0; e < row_of.size(); ++e) {
+      if (row_of[e] >= 0) maxima[e] = dtype_max(rows[row_of[e]].dtype);
+    }
+    return out;
+  }
+
+  static double dtype_max(at::ScalarType dtype) {
+    switch (c10::toRealValueType(dtype)) {
+      case at::kDouble: return std::numeric_limits<double>::max();
+      case at::kFloat: return std::numeric_limits<float>::max();
+      case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::max());
+      case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+      case at::kFloat8_e4m3fn: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+      case at::kFloat8_e5m2: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
+      case at::kFloat8_e4m3fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fnuz>::max());
+      case at::kFloat8_e5m2fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2fnuz>::max());
+      default: return std::numeric_limits<double>::quiet_NaN();
+    }
   }
 
   std::vector<int64_t> loss_entries() const {
@@ -624,6 +653,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_grads", &Rows::set_grads)
       .def("steps", &Rows::steps)
       .def("loss_entries", &Rows::loss_entries)
+      .def("dtype_maxima", &Rows::dtype_maxima)
       .def("weight_inputs", &Rows::weight_inputs)
       .def("__len__", [](const Rows& r) { return r.rows.size(); });
 

@@ -30,6 +30,11 @@ _SUPPORTED_REAL = frozenset(
        if hasattr(torch, n)]
 )
 
+def supports_dtype(dtype: torch.dtype) -> bool:
+    """Whether the kernels summarize tensors of ``dtype`` (complex ones as their real views)."""
+    return dtype in _SUPPORTED_REAL or dtype in (torch.complex32, torch.complex64, torch.complex128)
+
+
 # Kept in step with csrc/inputs.h (kSupportedText) so every backend rejects bad input the same way.
 SUPPORTED_TEXT = (
     "supported: float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, float8_e4m3fnuz, "

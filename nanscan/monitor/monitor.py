@@ -47,6 +47,7 @@ from nanscan.guard import attach_note
 from nanscan.monitor import distributed
 from nanscan.monitor.attribution import first_incidents, offenders
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
+from nanscan.monitor.headroom import HeadroomWatch, row_maxima
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
@@ -54,6 +55,7 @@ from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBloc
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hooks
+from nanscan.record import RECORD_SIZE
 
 MODES = ("sync", "async")
 ON_NONFINITE = ("raise", "warn", "record")
@@ -68,7 +70,8 @@ class Monitor:
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True,
                  compiled_grads=False, grads=True, params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
-                 backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check"):
+                 backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check",
+                 headroom_bits=None, headroom_cast=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.buffers = activations, grads, params, buffers
         self.activation_grads = activations and activation_grads
@@ -85,6 +88,8 @@ class Monitor:
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
         self.steplog: Optional[StepLog] = StepLog(log, self.rank) if log is not None else None
+        self.headroom = (HeadroomWatch(headroom_bits, headroom_cast, self.rank, grads=scaler is None)
+                         if headroom_bits is not None else None)
         self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
@@ -139,7 +144,13 @@ class Monitor:
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale record it once)
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._handles: list = []
-        self._install()
+        try:
+            self._install()
+        except BaseException:  # a half-installed monitor leaves nothing behind on the model
+            for handle in self._handles:
+                handle.remove()
+            self.hooks.close()
+            raise
 
     # ------------------------------------------------------------------ setup
     def _install(self) -> None:
@@ -217,6 +228,8 @@ class Monitor:
             return "eval" if (self.eval_forwards != "skip" and self.activations) else None
         if not self._explicit and self.optimizer is None and self._backward_seen():
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
+        if self.headroom is not None:
+            self.headroom.note_autocast(self.step_index, self._model_device().type)
         if info.is_root and not self._root_seen:  # the step's first forward of the whole model
             self._root_seen = True
             if self.capture_dir is not None and self.checking and not self._explicit:
@@ -618,6 +631,8 @@ class Monitor:
                 known.extend(n for n in names if n not in known)
         if self.steplog is not None:
             self.steplog.observe(slots, [row(i) for i in range(len(slots))], [i in bad for i in range(len(slots))])
+        if self.headroom is not None and phase != "eval":
+            self._check_headroom(copy, slots, row, bad)
         report = found[0] if found and not found[0].handled_by_scaler else None
         if phase != "eval" and distributed.active():  # every rank reports the same incident in the same step
             report = distributed.agree(report)
@@ -649,6 +664,37 @@ class Monitor:
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
         raise error
+
+    @property
+    def headroom_events(self) -> list:
+        """The headroom warnings given so far (:class:`~nanscan.monitor.headroom.HeadroomEvent`)."""
+        return self.headroom.events if self.headroom is not None else []
+
+    def _check_headroom(self, copy: Copy, slots: list, row, bad) -> None:
+        """Headroom of the rows of a landed read (:mod:`nanscan.monitor.headroom`): a vectorized
+        pass over the host records, Python only for the rows near overflow. A failure here is
+        nanscan's own: warned once, the check turned off, training goes on."""
+        try:
+            watch = self.headroom
+            n = len(copy.slots)
+            near = []
+            if n and copy.host is not None:
+                near = watch.near_rows(copy.host[:n], row_maxima(copy.slots, n), watch.fp16_autocast)
+            if len(slots) > n:  # the compiled path's rows (Slot objects already)
+                values = torch.tensor([row(i)[:RECORD_SIZE] for i in range(n, len(slots))], dtype=torch.float64)
+                maxima = row_maxima(slots[n:], len(slots) - n)
+                near += [n + j for j in watch.near_rows(values, maxima, watch.fp16_autocast)]
+            near = [i for i in near if i not in bad]
+            events = watch.observe(slots, lambda i: at(slots, i), row, near)
+            if self.steplog is not None:
+                for step, lowest in watch.lowest.items():
+                    self.steplog.headroom(step, lowest)
+                for event in events:
+                    self.steplog.headroom_event(event)
+        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
+            self.headroom = None
+            warnings.warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning,
+                          stacklevel=3)
 
     def _log_incidents(self, incidents) -> None:
         if self.steplog is not None:
@@ -711,7 +757,8 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
           params: bool = True, buffers: bool = True, optimizer_state: bool = False, every: int = 1,
           mode: str = "sync", on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
           capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None,
-          eval_forwards: str = "check") -> Monitor:
+          eval_forwards: str = "check", headroom_bits: Optional[float] = None,
+          headroom_cast: Optional[dict] = None) -> Monitor:
     """Watch ``model`` for non-finite values, every ``every`` steps, cheaply enough to leave on.
     One call: the training loop needs no change (steps end at ``optimizer.step``; see
     :mod:`nanscan.monitor.monitor`).
@@ -750,6 +797,18 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
 
     ``log``: a path or a :class:`nanscan.EventLog`: one JSONL record per checked step and one per
     incident (fsynced); see :mod:`nanscan.monitor.steplog`.
+
+    ``headroom_bits``: warn (once per tensor, never raising) when a watched tensor's largest finite
+    magnitude comes within that many bits of its dtype's largest value -- ``log2(finfo.max /
+    amax)``, against the dtype it is stored in and, for float32 activations and parameters of a
+    step whose forward ran under float16 autocast, against float16 -- with the trend over the last
+    checked steps and the step at which it would overflow (:mod:`nanscan.monitor.headroom`,
+    ``mon.headroom_events``, ``"headroom"`` lines in the log). Off (None) by default; ``True`` takes
+    the suggested 4 bits (:data:`nanscan.headroom.SUGGESTED_BITS`). With a GradScaler, gradients are
+    left out: loss scaling keeps them near float16's top on purpose, and the scaler handles their
+    overflow.
+    ``headroom_cast``: ``{fnmatch pattern: dtype}`` of tensors you know are cast, unscaled, to a
+    narrower dtype (e.g. a float8 recipe with a fixed scale); their headroom is measured against it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanscan.watch expects a torch.nn.Module, got {type(model).__name__}")
@@ -761,6 +820,13 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                          "never run inside the compiled graph. Call nanscan.watch(model) first, then model.compile()")
     if not any(True for _ in model.parameters()):
         raise ValueError("nanscan.watch: the model has no parameters; there is nothing to train or watch")
+    if optimizer is not None and not (callable(getattr(optimizer, "register_step_pre_hook", None))
+                                      and hasattr(optimizer, "param_groups")):
+        raise TypeError(f"nanscan.watch: optimizer must be a torch.optim.Optimizer (or None), got "
+                        f"{type(optimizer).__name__}: {optimizer!r}"[:300])
+    if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "scale", None))):
+        raise TypeError(f"nanscan.watch: scaler must be a torch.amp.GradScaler (or None), got "
+                        f"{type(scaler).__name__}: {scaler!r}"[:300])
     if not isinstance(every, int) or every < 1:
         raise ValueError(f"nanscan.watch: every must be an int >= 1, got {every!r}")
     if mode not in MODES:
@@ -771,6 +837,23 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
         raise ValueError(f"nanscan.watch: eval_forwards must be one of {EVAL_FORWARDS}, got {eval_forwards!r}")
     if isinstance(allow, str):
         allow = (allow,)
+    if headroom_bits is True:
+        from nanscan.headroom import SUGGESTED_BITS
+
+        headroom_bits = SUGGESTED_BITS
+    if headroom_bits is not None and (isinstance(headroom_bits, bool) or not isinstance(headroom_bits, (int, float))
+                                      or not 0 < headroom_bits < 1024):
+        raise ValueError(f"nanscan.watch: headroom_bits must be a number of bits in (0, 1024), True (the suggested "
+                         f"4 bits) or None (off), "
+                         f"got {headroom_bits!r}")
+    if headroom_cast is not None:
+        if not isinstance(headroom_cast, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.dtype) and v.is_floating_point
+                for k, v in headroom_cast.items()):
+            raise TypeError(f"nanscan.watch: headroom_cast must be a dict of fnmatch pattern (str) -> floating "
+                            f"torch.dtype, got {headroom_cast!r}")
+        if headroom_bits is None:
+            raise ValueError("nanscan.watch: headroom_cast needs headroom_bits (the warning threshold)")
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")
@@ -784,6 +867,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                       compiled_grads=compiled_grads, grads=grads, params=params,
                       buffers=buffers, optimizer_state=optimizer_state, every=every, mode=mode,
                       on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
-                      keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards)
+                      keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards,
+                      headroom_bits=headroom_bits, headroom_cast=headroom_cast)
     _WATCHED[id(model)] = monitor
     return monitor

@@ -10,7 +10,10 @@ of the parameter gradients, read when the step is checked: unscaled when GradSca
 ``inf`` / NaN when a gradient was non-finite), ``loss_scale``, ``lr`` (first param group),
 ``update`` (``"applied"`` / ``"skipped"``; None without an optimizer) and ``nonfinite``: per phase,
 the number of non-finite elements over the tensors checked in that phase (propagated values
-included, so it measures spread, not origin).
+included, so it measures spread, not origin); with ``watch(..., headroom_bits=N)``, ``headroom``: the
+few tensors closest to overflow that step, ``"<kind> <name>"`` -> bits of headroom (only those within
+a few bits of the threshold: :mod:`nanscan.monitor.headroom`). A headroom warning is an event line
+of its own (``"type": "headroom"``, the fields of :class:`~nanscan.monitor.headroom.HeadroomEvent`).
 
 A failure to write the log never stops training: it is warned about once, logging stops, and the
 error is kept in ``error`` (``nanscan.guard`` attaches it to a training exception, if any).
@@ -40,7 +43,8 @@ class StepLog:
 
     def _entry(self, step: int) -> dict:
         return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
-                                            "nonfinite": dict.fromkeys(PHASES, 0), "ended": False, "read": False})
+                                            "nonfinite": dict.fromkeys(PHASES, 0), "ended": False, "read": False,
+                                            "headroom": {}})
 
     def observe(self, slots, values, nonfinite) -> None:
         """Fold one decoded read into its steps. (The hooks' rows are looked at only where they
@@ -68,6 +72,17 @@ class StepLog:
             elif s.kind == "grad" and s.param is not None:
                 e["grad_sumsq"] = (e["grad_sumsq"] or 0.0) + v[Field.SUMSQ]
                 e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
+
+    def headroom(self, step: int, lowest: dict) -> None:
+        """The tensors closest to overflow in ``step`` (``label -> bits``), kept with its record."""
+        if step > self.written:
+            kept = self._entry(step)["headroom"]
+            for label, bits in lowest.items():
+                kept[label] = min(bits, kept.get(label, bits))
+
+    def headroom_event(self, event) -> None:
+        fields = {("record_kind" if k == "kind" else k): v for k, v in event.to_dict().items() if k not in ("step", "rank")}
+        self._write(lambda: self.log.event("headroom", event.step, **fields))
 
     def scale(self, step: int, value: float) -> None:
         self._entry(step)["loss_scale"] = value
@@ -100,8 +115,10 @@ class StepLog:
                 grad_norm = math.inf
             elif e["grad_sumsq"] is not None:
                 grad_norm = math.sqrt(e["grad_sumsq"])
+            extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
             self._write(lambda: self.log.step(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
-                                              lr=e.get("lr"), update=e.get("update"), nonfinite=e["nonfinite"]))
+                                              lr=e.get("lr"), update=e.get("update"), nonfinite=e["nonfinite"],
+                                              **extra))
 
     def _write(self, write) -> None:
         if self.error is not None:

@@ -107,6 +107,9 @@ def _records_of(events: list, rank) -> tuple:
             by_step[e["step"]] = e
         elif kind == "incident":
             inc = e.get("incident") if isinstance(e.get("incident"), dict) else {}
+            # (a hand-edited or foreign line: the words a report sorts and prints by are text)
+            inc = {k: (str(v) if k in ("phase", "kind", "name") and v is not None and not isinstance(v, str) else v)
+                   for k, v in inc.items()}
             incidents.append({"step": e["step"], "rank": e.get("rank"), "incident": inc, "bundle": e.get("bundle")})
     return by_step, incidents, duplicates
 
@@ -225,6 +228,44 @@ def _anomalies(s: dict, incidents: list, window: int) -> tuple:
     return anomalies, first, unhandled
 
 
+HEADROOM_PLOTTED = 4  # tensors drawn in the headroom panel: the warned ones first, then the closest to overflow
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _headroom(events: list, rank, incidents: list) -> dict:
+    """The monitor's headroom warnings (``"headroom"`` lines) and, for the few tensors closest to
+    overflow, their bits of headroom per step (the steps' ``headroom`` fields; only tensors within a
+    few bits of the threshold are logged there). ``overflow``: the step of the first incident that
+    names the tensor, if any."""
+    warned = [e for e in events if e.get("type") == "headroom" and e.get("rank") == rank
+              and isinstance(e.get("step"), int) and isinstance(e.get("name"), str) and _number(e.get("bits"))]
+    series: dict = {}
+    for e in events:
+        if e.get("type") == "step" and e.get("rank") == rank and isinstance(e.get("step"), int) \
+                and isinstance(e.get("headroom"), dict):
+            for label, bits in e["headroom"].items():
+                if _number(bits):
+                    series.setdefault(str(label), {})[e["step"]] = float(bits)
+    for w in warned:  # (the warning's own value, should its step line be missing)
+        series.setdefault(f"{w.get('record_kind')} {w['name']}", {}).setdefault(w["step"], float(w["bits"]))
+    warned_labels = list(dict.fromkeys(f"{w.get('record_kind')} {w['name']}" for w in warned))
+    rest = sorted((lab for lab in series if lab not in warned_labels), key=lambda lab: min(series[lab].values()))
+    plotted = {}
+    for label in (warned_labels + rest)[:HEADROOM_PLOTTED]:
+        points = sorted(series[label].items())
+        name = label.split(" ", 1)[-1]
+        overflow = next((inc["step"] for inc in incidents if inc["incident"].get("name") == name), None)
+        plotted[label] = {"steps": [p[0] for p in points], "bits": [p[1] for p in points],
+                          "warned_at": next((w["step"] for w in warned
+                                             if f"{w.get('record_kind')} {w['name']}" == label), None),
+                          "overflow": overflow}
+    threshold = next((w.get("threshold") for w in warned if _number(w.get("threshold"))), None)
+    return {"warnings": warned, "series": plotted, "threshold": threshold}
+
+
 # ---------------------------------------------------------------------------- summaries
 def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> dict:
     """Per-step series, skipped steps, incidents, the first anomalous step and what preceded it.
@@ -238,7 +279,10 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
     fell); ``incidents`` (each ``{"step", "rank", "incident", "bundle"}``); ``first_anomaly`` and
     ``first_unhandled_anomaly`` (each None or ``{"step", "criterion", "criteria", "description",
     "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if any, else the
-    first), ``anomalous_steps``; ``notes`` (truncated lines, duplicates, other ranks)."""
+    first), ``anomalous_steps``; ``headroom`` (``{"warnings": [headroom events], "series": {"<kind>
+    <name>": {"steps", "bits", "warned_at", "overflow"}}, "threshold"}``: the monitor's early
+    warnings and the few tensors closest to overflow); ``notes`` (truncated lines, duplicates,
+    other ranks)."""
     notes: list = []
     header = next((e for e in events if e.get("type") == "header"), None)
     rank, ranks_seen = _pick_rank(events, header, rank)
@@ -268,6 +312,7 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
         "first_anomaly": first,
         "first_unhandled_anomaly": unhandled,
         "focus": unhandled or first,
+        "headroom": _headroom(events, rank, incidents),
         "notes": notes,
     }
 

@@ -1,79 +1,43 @@
 """What a report reads: a JSONL event log or a failure bundle's ``manifest.json``; and the strict
 JSON a summary is written as.
 
-Non-finite floats travel as ``{"finite": false, "value": "nan" | "inf" | "-inf"}`` (the form
-:mod:`nanscan.log` writes) and are decoded back to floats here. Neither torch nor
-``nanscan.log`` is imported: a report can be made anywhere the log is."""
+Non-finite floats travel as ``{"finite": false, "value": "nan" | "inf" | "-inf"}`` and lines are
+read by :mod:`nanscan.jsonl` (the format's one home, torch-free, shared with :mod:`nanscan.log`).
+Neither torch nor ``nanscan.log`` is imported: a report can be made anywhere the log is."""
 from __future__ import annotations
 
-import json
-import math
 import os
 from typing import Any, Optional
 
+from nanscan import jsonl
+
 BUNDLE_FORMAT = "nanscan-bundle"  # nanscan.capture.bundle.FORMAT, repeated to keep torch out of here
-_NONFINITE_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "+inf": math.inf}
-
-
-def _decode_nonfinite(obj: dict) -> Any:
-    """json object_hook: ``{"finite": false, "value": "nan"|"inf"|"-inf"}`` -> the float."""
-    if obj.get("finite") is False and set(obj) <= {"finite", "value"}:
-        value = obj.get("value")
-        if isinstance(value, str) and value.lower() in _NONFINITE_TEXT:
-            return _NONFINITE_TEXT[value.lower()]
-    return obj
 
 
 def loads(text: str) -> Any:
-    """Parse one JSON document, turning nanscan's non-finite objects back into floats (bare
-    ``NaN`` / ``Infinity`` tokens, which Python's json writes by default, are accepted too)."""
-    return json.loads(text, object_hook=_decode_nonfinite)
+    """Parse one JSON document, non-finite markers decoded (:func:`nanscan.jsonl.loads`)."""
+    return jsonl.loads(text)
 
 
 def to_json(summary: dict, indent: Optional[int] = 1) -> str:
     """Strict JSON of a summary: non-finite floats written as ``{"finite": false, "value": ...}``."""
-    def clean(v):
-        if isinstance(v, float) and not math.isfinite(v):
-            return {"finite": False, "value": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-    return json.dumps(clean(summary), indent=indent, allow_nan=False)
+    return jsonl.dumps(summary, indent=indent)
 
 
 # ---------------------------------------------------------------------------- event logs
 def load_events(path: str) -> list:
     """The events of a JSONL log, in file order, non-finite floats decoded.
 
-    A line that is not a JSON object (a crash mid-write truncates the last line) is skipped and
-    replaced by ``{"type": "unparsed", "line": N, "last": bool, "error": str, "text": first 80
-    chars}`` so that :func:`~nanscan.report.summarize_log` can say so; nothing is raised for it."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    return parse_events(raw.decode("utf-8", errors="replace").splitlines())
+    A line that is not a JSON object (a crash mid-write truncates the last line) is kept as
+    ``{"type": "unparsed", "line": N, "last": bool, "torn": bool, "error": str, "text": first 80
+    chars}`` (:func:`nanscan.jsonl.parse_lines`) so that :func:`~nanscan.report.summarize_log` can
+    say so; nothing is raised for it."""
+    return jsonl.read_lines(path)
 
 
 def parse_events(lines) -> list:
     """:func:`load_events` over lines already read (strings, without or with their newline)."""
-    lines = list(lines)
-    while lines and not lines[-1].strip():
-        lines.pop()
-    events = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            event = loads(line)
-            if not isinstance(event, dict):
-                raise ValueError(f"a {type(event).__name__}, not an object")
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-            events.append({"type": "unparsed", "line": number, "last": number == len(lines),
-                           "error": str(e), "text": line[:80]})
-            continue
-        events.append(event)
-    return events
+    return jsonl.parse_lines([(n, line.rstrip("\n")) for n, line in enumerate(lines, 1) if line.strip()])
 
 
 # ---------------------------------------------------------------------------- bundles

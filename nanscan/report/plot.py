@@ -2,7 +2,9 @@
 no global figure state).
 
 Panels: loss; unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite
-elements per phase (grouped bars, log axis). Skipped updates are shaded on every panel, the focus
+elements per phase (grouped bars, log axis); and, when the monitor logged headroom
+(``watch(..., headroom_bits=N)``), a fifth: bits of headroom of the few tensors closest to overflow,
+with the threshold, the warnings and the overflow marked. Skipped updates are shaded on every panel, the focus
 step is a red line annotated with the module and phase, non-finite values are markers along a
 panel's top edge. matplotlib is optional: without it, :func:`plot_report` raises an
 ``ImportError`` with the install hint and the text report still works."""
@@ -115,6 +117,30 @@ def _draw_nonfinite_counts(ax_nf, summary: dict, width: float) -> None:
     ax_nf.set_xlabel("step")
 
 
+HEADROOM_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#8c564b")
+
+
+def _draw_headroom(ax, headroom: dict) -> None:
+    """Bits of headroom over the steps for the few tensors closest to overflow (the warned ones
+    first): the threshold as a dashed line, each warning as a triangle, an overflow (the first
+    incident naming the tensor) as a cross at 0 bits."""
+    for color, (label, s) in zip(HEADROOM_COLORS, headroom["series"].items()):
+        ax.plot(s["steps"], s["bits"], color=color, lw=1.2, marker="o" if len(s["steps"]) <= 300 else None, ms=2,
+                label=f"headroom: {label}")
+        if s["warned_at"] is not None:
+            bits = dict(zip(s["steps"], s["bits"])).get(s["warned_at"])
+            if bits is not None:
+                ax.scatter([s["warned_at"]], [bits], marker="v", s=60, color=color, zorder=5, edgecolor="black",
+                           label="headroom warning" if color == HEADROOM_COLORS[0] else None)
+        if s["overflow"] is not None:
+            ax.scatter([s["overflow"]], [0.0], marker="X", s=70, color="#d62728", zorder=5,
+                       label="overflow (non-finite)")
+    if headroom["threshold"] is not None:
+        ax.axhline(headroom["threshold"], color="0.3", ls="--", lw=1, label=f"warning threshold ({headroom['threshold']:g} bits)")
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("headroom (bits)\nlog2(dtype max / amax)")
+
+
 def _shade_skipped(axes, skipped_steps: list, width: float) -> None:
     """Skipped updates: shaded spans on every panel, merged into one collection per panel."""
     spans: list = []
@@ -187,15 +213,18 @@ def _title(summary: dict) -> str:
 
 
 def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> str:
-    """Draw the 4-panel timeline of a log summary into ``out_png`` (matplotlib Agg, no pyplot)."""
+    """Draw the timeline of a log summary into ``out_png`` (matplotlib Agg, no pyplot): 4 panels,
+    5 with headroom."""
     if not summary.get("timeline"):
         raise ValueError("nanscan report: a bundle holds one step, there is no timeline to plot; "
                          "give the run's JSONL event log")
     Figure, FigureCanvasAgg = _require_matplotlib()
     steps = summary["steps"]
-    fig = Figure(figsize=(11, 10), dpi=110, layout="constrained")
+    headroom = summary.get("headroom") or {}
+    panels = 5 if headroom.get("series") else 4
+    fig = Figure(figsize=(11, 10 + 2 * (panels - 4)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [1.2, 1.1, 1, 0.9]})
+    axes = fig.subplots(panels, 1, sharex=True, gridspec_kw={"height_ratios": [1.2, 1.1, 1, 0.9, 1][:panels]})
     span = (steps[-1] - steps[0]) if steps else 0
     width = max(0.8, span / 500)  # bars and shaded spans stay visible on runs of 100k steps
     markers = len(steps) <= 300
@@ -203,11 +232,15 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
     _draw_loss_and_grad_norm(axes[0], axes[1], summary, markers)
     lr_lines = _draw_loss_scale_and_lr(axes[2], summary, markers)
     _draw_nonfinite_counts(axes[3], summary, width)
+    if panels == 5:
+        _draw_headroom(axes[4], headroom)
+        axes[3].set_xlabel("")
+        axes[4].set_xlabel("step")
     _shade_skipped(axes, summary["skipped_steps"], width)
     _mark_focus(axes, summary, span)
     _legend(fig, axes, lr_lines)
     if steps:
-        axes[3].set_xlim(steps[0] - width, steps[-1] + width)
+        axes[-1].set_xlim(steps[0] - width, steps[-1] + width)
     fig.suptitle(_title(summary) if title is None else title, fontsize=11)
     out_png = os.fspath(out_png)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from nanscan.report.analysis import CRITERIA, _int, _num, _ranges, summarize_run
 
@@ -182,12 +183,37 @@ def _updates_lines(summary: dict) -> list:
     return lines
 
 
+def _headroom_lines(headroom: Optional[dict]) -> list:
+    """The monitor's headroom warnings, one line each, with the trend and whether it came true."""
+    if not headroom or not headroom["warnings"]:
+        return []
+    threshold = headroom["threshold"]
+    lines = [f"headroom warnings ({len(headroom['warnings'])}"
+             + (f", below {threshold:g} bits" if threshold is not None else "") + "):"]
+    for w in headroom["warnings"]:
+        label = f"{w.get('record_kind')} {w['name']}"
+        dtype = w.get("dtype")
+        if w.get("cast") and w.get("stored_dtype"):
+            dtype = f"{w['stored_dtype']}, as {dtype}"
+        line = f"  step {w['step']}: {label} ({dtype}) {_fmt(w['bits'], 3)} bits left"
+        if w.get("bits_per_100") is not None:
+            line += f", losing {_fmt(w['bits_per_100'], 3)} bits per 100 steps"
+            if w.get("overflow_step") is not None:
+                line += f", overflow predicted near step {w['overflow_step']}"
+        overflow = (headroom["series"].get(label) or {}).get("overflow")
+        if overflow is not None:
+            line += f"; non-finite at step {overflow}"
+        lines.append(line)
+    return lines
+
+
 def _log_text(summary: dict) -> str:
     lines = _log_overview_lines(summary)
     if not summary["steps"]:
         lines.append("no step records: nothing to report")
         return "\n".join(lines) + "\n"
     lines += _updates_lines(summary)
+    lines += _headroom_lines(summary.get("headroom"))
     first, unhandled = summary["first_anomaly"], summary["first_unhandled_anomaly"]
     if first is None:
         lines.append("no anomalous step: every logged loss and grad norm is finite, no non-finite tensor, "
