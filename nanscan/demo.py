@@ -60,8 +60,11 @@ def examples() -> list:
 
 
 def fmt(v, missing: str = "none") -> str:
-    """A number for the tables: 4 significant digits; nan / inf spelled out; ``missing`` for None."""
-    return missing if v is None else f"{v:.4g}"
+    """A number for the tables: integers whole (an index of 123456 stays 123456), floats to 4
+    significant digits; nan / inf spelled out; ``missing`` for None."""
+    if v is None:
+        return missing
+    return str(v) if isinstance(v, int) and not isinstance(v, bool) else f"{v:.4g}"
 
 
 def tensor_table() -> None:
