@@ -57,7 +57,9 @@ inline at::Tensor normalize_input(const at::Tensor& x, const char* op) {
                    ") are not supported (", kSupportedText, "); dequantize first");
   TORCH_CHECK_TYPE(x.layout() == at::kStrided, op, ": layout ", x.layout(),
                    " is not supported (", kSupportedText, "); convert with .to_dense()");
-  at::Tensor t = x.is_complex() ? at::view_as_real(x.resolve_conj().resolve_neg()) : x.resolve_neg();
+  // (is_neg() first: resolve_neg is a dispatcher call even when there is nothing to resolve, and
+  // summarize_many makes one per tensor.)
+  at::Tensor t = x.is_complex() ? at::view_as_real(x.resolve_conj().resolve_neg()) : (x.is_neg() ? x.resolve_neg() : x);
   TORCH_CHECK_TYPE(is_supported_real_dtype(t.scalar_type()), op, ": dtype ", x.scalar_type(),
                    " is not supported (", kSupportedText, ")");
   return t;

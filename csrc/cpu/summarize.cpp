@@ -22,6 +22,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/Float8_e4m3fnuz.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Float8_e5m2fnuz.h>
@@ -110,14 +111,16 @@ void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load l
 // Logical row-major walk over a strided tensor, after merging dimensions that are contiguous with
 // each other (a contiguous tensor collapses to one dimension of stride 1).
 struct Geometry {
-  std::vector<int64_t> sizes, strides;  // outermost first
+  // (Inline storage: summarize_many over thousands of small tensors -- a model's parameters and
+  // gradients, every step -- makes one Geometry per tensor; heap vectors were most of its cost.)
+  c10::SmallVector<int64_t, 6> sizes, strides;  // outermost first
   bool contiguous = false;
   // Dense but permuted (transposed, channels_last): the elements fill [data, data + numel) in
   // some order, so the loops read memory linearly -- vectorized -- and only a non-finite
   // element's memory offset is mapped back to its logical index, with (memory stride, logical
   // stride) pairs sorted by memory stride, outermost first.
   bool dense = false;
-  std::vector<std::pair<int64_t, int64_t>> memory_order;
+  c10::SmallVector<std::pair<int64_t, int64_t>, 6> memory_order;
 
   explicit Geometry(const at::Tensor& t) {
     for (int64_t d = 0; d < t.dim(); ++d) {
@@ -193,25 +196,32 @@ struct VecState {
     neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
   }
 
-  // Horizontal reduction of several states in a fixed order; false if any lane's sum of squares is
-  // not finite (a non-finite input or an overflow: the caller rescans).
+  // Reduction of several states in a fixed order -- lanewise across the states first, then one
+  // horizontal pass (for small tensors this reduction is most of the work) --; false if a lane's
+  // sum of squares is not finite (a non-finite input or an overflow: the caller rescans).
   template <size_t N>
   static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
+    Vec vmin = states[0].vmin, vmax = states[0].vmax, sumsq = states[0].sumsq;
+    IVec neg_zeros = states[0].neg_zeros;
+    for (size_t k = 1; k < N; ++k) {
+      vmin = at::vec::clamp_max(vmin, states[k].vmin);
+      vmax = at::vec::clamp_min(vmax, states[k].vmax);
+      sumsq = sumsq + states[k].sumsq;  // (squares are >= 0: the sum is finite iff every part is)
+      neg_zeros = neg_zeros + states[k].neg_zeros;
+    }
     acc_t lmin[n], lmax[n], lsq[n];
     at::vec::int_same_size_t<acc_t> lzero[n];
-    for (const VecState& s : states) {
-      s.vmin.store(lmin);
-      s.vmax.store(lmax);
-      s.sumsq.store(lsq);
-      s.neg_zeros.store(lzero);
-      for (int i = 0; i < n; ++i) {
-        if (!std::isfinite(lsq[i])) return false;
-        p.min = std::min(p.min, static_cast<double>(lmin[i]));
-        p.max = std::max(p.max, static_cast<double>(lmax[i]));
-        p.sumsq += lsq[i];
-        p.zero -= static_cast<int64_t>(lzero[i]);
-      }
+    vmin.store(lmin);
+    vmax.store(lmax);
+    sumsq.store(lsq);
+    neg_zeros.store(lzero);
+    for (int i = 0; i < n; ++i) {
+      if (!std::isfinite(lsq[i])) return false;
+      p.min = std::min(p.min, static_cast<double>(lmin[i]));
+      p.max = std::max(p.max, static_cast<double>(lmax[i]));
+      p.sumsq += lsq[i];
+      p.zero -= static_cast<int64_t>(lzero[i]);
     }
     return true;
   }
@@ -252,11 +262,13 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
         }
       }
     }
-    Partial<acc_t> vec_part;
-    if (VecState<acc_t>::flush(states, vec_part)) {
-      p.merge(vec_part);
-    } else {
-      scan_scalar<scalar_t>(begin, vec_end, p, load, map);  // a NaN, an Inf, or an FP32 overflow
+    if (vec_end > begin) {  // (a tensor shorter than one step has no vector part to reduce)
+      Partial<acc_t> vec_part;
+      if (VecState<acc_t>::flush(states, vec_part)) {
+        p.merge(vec_part);
+      } else {
+        scan_scalar<scalar_t>(begin, vec_end, p, load, map);  // a NaN, an Inf, or an FP32 overflow
+      }
     }
     scan_scalar<scalar_t>(vec_end, end, p, load, map);
   } else {
