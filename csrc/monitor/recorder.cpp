@@ -28,6 +28,8 @@
 //       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
+//   param_grads(params) -> (grads that exist, None if all do else their indices)
+//   nonfinite_rows(host_records, n) -> the rows < n with a NaN / +Inf / -Inf count
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
 //     fast_hooks() -> (pre, post): pre(info, module, args, kwargs), post(info, module, args, kwargs,
 //       output) as plain C functions
@@ -635,6 +637,41 @@ py::tuple fast_hooks(const std::shared_ptr<Hooks>& hooks) {
   return py::make_tuple(make(&kPreDef), make(&kPostDef));
 }
 
+// The parameters' gradients for the read, without a Python attribute access per parameter:
+// (grads of the parameters that have one, in order; None when all have one, else their indices).
+py::tuple param_grads(const std::vector<at::Tensor>& params) {
+  py::list grads;
+  std::vector<int64_t> present;
+  bool all = true;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const at::Tensor& g = params[k].grad();
+    if (g.defined()) {
+      grads.append(g);
+      present.push_back(static_cast<int64_t>(k));
+    } else {
+      all = false;
+    }
+  }
+  return py::make_tuple(grads, all ? py::object(py::none()) : py::object(py::cast(present)));
+}
+
+// Rows i < n of a landed read ([rows, columns] float64 on the host) holding a NaN / +Inf / -Inf
+// count: the rows a read decodes. (One pass in C++ instead of four tensor ops per read.)
+std::vector<int64_t> nonfinite_rows(const at::Tensor& host, int64_t n) {
+  TORCH_CHECK(host.device().is_cpu() && host.scalar_type() == at::kDouble && host.dim() == 2 &&
+                  host.size(1) >= 3 && n <= host.size(0),
+              "nanscan: nonfinite_rows expects [rows >= n, >= 3] float64 host records");
+  const at::Tensor rows = host.contiguous();
+  const double* data = rows.const_data_ptr<double>();
+  const int64_t width = rows.size(1);
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* r = data + i * width;
+    if (r[0] + r[1] + r[2] > 0) out.push_back(i);
+  }
+  return out;
+}
+
 }  // namespace nanscan
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -646,6 +683,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &GradSink::size)
       .def("take", &GradSink::take);
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
+  m.def("param_grads", &param_grads, "(grads that exist, None or the indices of their parameters)");
+  m.def("nonfinite_rows", &nonfinite_rows, "rows < n of host records with a NaN / Inf count");
 
   py::class_<Rows, std::shared_ptr<Rows>>(m, "Rows")
       .def("row", &Rows::row)

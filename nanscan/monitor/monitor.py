@@ -104,7 +104,7 @@ class Monitor:
         self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if buffers else []
-        extension = _ops.monitor_extension()
+        extension = self._extension = _ops.monitor_extension()
         if extension is None:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
@@ -495,17 +495,15 @@ class Monitor:
         accumulated, and unscaled if ``scaler.unscale_`` ran), or None. A gradient's inputs: the
         gradients of its module's outputs and the module's forward inputs in this window (``rows``:
         the window's hook records, or None)."""
-        grads = [p.grad for p in self._param_tensors]
-        if self._sharded:
-            grads = distributed.local_shards(grads)
+        grads, present = self._extension.param_grads(self._param_tensors)  # (C++: no Python per parameter)
         names, owners = self._param_names, self._param_owners
-        if any(g is None for g in grads):
-            present = [k for k, g in enumerate(grads) if g is not None]
+        if present is not None:
             if not present:
                 return None
-            grads = [grads[k] for k in present]
             names = [names[k] for k in present]
             owners = [owners[k] for k in present]
+        if self._sharded:
+            grads = distributed.local_shards(grads)
 
         def inputs(k):  # (asked only when a gradient is decoded as non-finite)
             owner = owners[k]

@@ -12,8 +12,14 @@ from typing import Optional
 
 import torch
 
+from nanscan import _ops
 from nanscan.monitor.traced import COLUMNS, SEQ
 from nanscan.record import RECORD_SIZE
+
+
+def _nonfinite_rows(host: torch.Tensor, n: int) -> list:
+    """Rows ``< n`` of the landed records with a NaN / +Inf / -Inf count (C++: one pass, no tensor op)."""
+    return _ops.monitor_extension().nonfinite_rows(host, n)
 
 
 class Copy:
@@ -68,8 +74,7 @@ class Copy:
         host = self.rows.cpu()
         self.host = host
         n, e = len(self.slots), len(self.extra_names)
-        counts = host[:n, :3].sum(dim=1)
-        self.bad = set(torch.nonzero(counts > 0).flatten().tolist())
+        self.bad = set(_nonfinite_rows(host, n))
         if e:
             self.extras = dict(zip(self.extra_names, host[n:n + e, 0].tolist()))
         if self.n_traced:
