@@ -41,12 +41,15 @@ class Copy:
         """Stack ``blocks`` (``[k, RECORD_SIZE]`` records of ``slots``, in order), the ``extras``
         (``(name, one-element tensor)``) and the compiled rows, and start the copy."""
         parts = []
-        if blocks:  # (one cat, then one pad to the compiled rows' width: each op costs host time)
+        # Rows are RECORD_SIZE wide, COLUMNS when the compiled path's rows join them (each op here
+        # costs host time: one cat of the records, a pad only when the widths differ).
+        width = COLUMNS if traced is not None else RECORD_SIZE
+        if blocks:
             device = blocks[0].device
             blocks = [b if b.device == device else b.to(device, non_blocking=True) for b in blocks]
             records = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-            parts.append(torch.nn.functional.pad(records, (0, COLUMNS - RECORD_SIZE)))
-        parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, COLUMNS) for _, e in extras]
+            parts.append(records if width == RECORD_SIZE else torch.nn.functional.pad(records, (0, width - RECORD_SIZE)))
+        parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, width) for _, e in extras]
         if traced is not None:
             parts.append(traced)
         names = tuple(name for name, _ in extras)
