@@ -30,12 +30,15 @@
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
 //   param_grads(params) -> (grads that exist, None if all do else their indices)
 //   nonfinite_rows(host_records, n) -> the rows < n with a NaN / +Inf / -Inf count
+//   dtype_maxima(tensors) -> float64 tensor: each tensor's dtype's largest finite value
+//   headroom_candidates(host, maxima, n, bits, fp16_cast, cast_floor) -> rows near overflow
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
 //     fast_hooks() -> (pre, post): pre(info, module, args, kwargs), post(info, module, args, kwargs,
 //       output) as plain C functions
 //     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
 //     owner.model_loss(output) are called back for the rare events
 #include "grad_sink.h"
+#include "../record.h"
 
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -655,6 +658,47 @@ py::tuple param_grads(const std::vector<at::Tensor>& params) {
   return py::make_tuple(grads, all ? py::object(py::none()) : py::object(py::cast(present)));
 }
 
+// Per tensor, its dtype's largest finite value (NaN if not floating): the headroom check's maxima
+// for blocks of parameters, gradients and buffers, without a Python loop over them.
+at::Tensor tensor_dtype_maxima(const std::vector<at::Tensor>& tensors) {
+  at::Tensor out = at::empty({static_cast<int64_t>(tensors.size())}, at::kDouble);
+  double* maxima = out.data_ptr<double>();
+  for (size_t k = 0; k < tensors.size(); ++k) maxima[k] = Rows::dtype_max(tensors[k].scalar_type());
+  return out;
+}
+
+// The headroom check's candidates (nanscan/monitor/headroom.py): rows i < n of the landed records
+// whose largest finite magnitude amax = max(|finite_min|, |finite_max|) is within `bits` of the
+// limit -- maxima[i] (NaN: unknown, skipped), float16's 65504 instead of float32's max when
+// `fp16_cast`, and at most `cast_floor` (a declared cast's max; +inf when none):
+// log2(limit / amax) < bits. Rows with no finite or no non-zero value are not candidates.
+std::vector<int64_t> headroom_candidates(const at::Tensor& host, const at::Tensor& maxima, int64_t n, double bits,
+                                         bool fp16_cast, double cast_floor) {
+  TORCH_CHECK(host.device().is_cpu() && host.scalar_type() == at::kDouble && host.dim() == 2 &&
+                  host.size(1) >= kRecordSize && n <= host.size(0) && maxima.scalar_type() == at::kDouble &&
+                  maxima.numel() >= n,
+              "nanscan: headroom_candidates expects [rows >= n, >= 8] float64 host records and n float64 maxima");
+  const at::Tensor rows = host.contiguous();
+  const at::Tensor limits = maxima.contiguous();
+  const double* data = rows.const_data_ptr<double>();
+  const double* maxes = limits.const_data_ptr<double>();
+  const int64_t width = rows.size(1);
+  const double fp32_max = std::numeric_limits<float>::max();
+  const double fp16_max = static_cast<double>(std::numeric_limits<c10::Half>::max());
+  const double scale = std::exp2(bits);
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* r = data + i * width;
+    const double amax = std::max(std::fabs(r[kFiniteMin]), std::fabs(r[kFiniteMax]));
+    double limit = maxes[i];
+    if (!(amax > 0) || !std::isfinite(amax) || std::isnan(limit)) continue;
+    if (fp16_cast && limit == fp32_max) limit = fp16_max;
+    limit = std::min(limit, cast_floor);
+    if (amax * scale > limit) out.push_back(i);  // log2(limit / amax) < bits
+  }
+  return out;
+}
+
 // Rows i < n of a landed read ([rows, columns] float64 on the host) holding a NaN / +Inf / -Inf
 // count: the rows a read decodes. (One pass in C++ instead of four tensor ops per read.)
 std::vector<int64_t> nonfinite_rows(const at::Tensor& host, int64_t n) {
@@ -685,6 +729,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
   m.def("param_grads", &param_grads, "(grads that exist, None or the indices of their parameters)");
   m.def("nonfinite_rows", &nonfinite_rows, "rows < n of host records with a NaN / Inf count");
+  m.def("headroom_candidates", &headroom_candidates, "rows < n within `bits` of their dtype's (or cast's) max");
+  m.def("dtype_maxima", &tensor_dtype_maxima, "per tensor, its dtype's largest finite value (NaN: not floating)");
 
   py::class_<Rows, std::shared_ptr<Rows>>(m, "Rows")
       .def("row", &Rows::row)

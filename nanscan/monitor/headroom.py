@@ -190,22 +190,18 @@ class HeadroomWatch:
         return new
 
     def near_rows(self, records: torch.Tensor, maxima: torch.Tensor, autocast: bool) -> list:
-        """Indices of the rows of ``records`` (``[n, >= RECORD_SIZE]`` on the host) within
+        """Indices of the rows of ``records`` (``[n, >= RECORD_SIZE]`` float64 on the host) within
         ``threshold + ZONE`` bits of their dtype's largest value ``maxima`` (NaN: unknown), or of a
         cast's: float32 rows against float16's max when ``autocast`` (a float16 autocast step is in
         the read), every row against a declared cast's. Rows with no finite value are left out
-        (they are incidents, not headroom)."""
-        if records.shape[0] == 0:
+        (they are incidents, not headroom). (One C++ pass: ``headroom_candidates``.)"""
+        from nanscan import _ops
+
+        n = records.shape[0]
+        if n == 0:
             return []
-        lo, hi = records[:, Field.FINITE_MIN], records[:, Field.FINITE_MAX]
-        a = torch.maximum(lo.abs(), hi.abs())
-        limit = maxima
-        if autocast:
-            limit = torch.where(maxima == _FP32_MAX, torch.full_like(maxima, dtype_max(torch.float16)), maxima)
-        if self._cast_floor < math.inf:
-            limit = torch.minimum(limit, torch.full_like(limit, self._cast_floor))
-        near = (a > 0) & torch.isfinite(a) & (torch.log2(limit / a) < self.threshold + ZONE)
-        return torch.nonzero(near).flatten().tolist()
+        return _ops.monitor_extension().headroom_candidates(records, maxima, n, self.threshold + ZONE, bool(autocast),
+                                                            self._cast_floor)
 
     @property
     def fp16_autocast(self) -> bool:
@@ -225,24 +221,35 @@ def _max_of(dtype) -> float:
 
 def row_maxima(slots: list, n: int) -> torch.Tensor:
     """Per slot of a read window (the first ``n``), its dtype's largest finite value (NaN where
-    unknown): the hooks' rows from C++ in one call, blocks and Python slots from their dtypes.
-    (One pass; a block or the hooks' rows stand in for runs of consecutive entries.)"""
+    unknown): the hooks' rows and each block of tensors in one C++ call, Python slots from their
+    dtypes. (One pass that jumps over blocks; the hooks' rows stand in for many entries.)"""
+    from nanscan import _ops
+
+    extension = _ops.monitor_extension()
     maxima = torch.full((n,), math.nan, dtype=torch.float64)
-    previous = None
-    for i, s in enumerate(slots[:n]):
-        if s is previous:
-            continue
-        previous = s
+    eager_done = False
+    i = 0
+    while i < n:
+        s = slots[i]
         t = type(s)
         if t is EagerRows:
-            m = s.rows.dtype_maxima()  # (NaN at the window's Python entries)
-            k = min(n, m.shape[0])
-            maxima[:k] = torch.where(torch.isnan(m[:k]), maxima[:k], m[:k])
+            if not eager_done:
+                eager_done = True
+                m = s.rows.dtype_maxima()  # (NaN at the window's Python entries)
+                k = min(n, m.shape[0])
+                maxima[:k] = torch.where(torch.isnan(m[:k]), maxima[:k], m[:k])
+            i += 1
         elif t is GradBlock:
-            maxima[s.start:s.start + len(s.dtypes)] = torch.tensor([_max_of(d) for d in s.dtypes], dtype=torch.float64)
+            get = _MAX_OF.get
+            end = s.start + len(s.dtypes)
+            maxima[s.start:end] = torch.tensor([get(d) or _max_of(d) for d in s.dtypes], dtype=torch.float64)
+            i = max(end, i + 1)
         elif isinstance(s, Block):
-            maxima[s.start:s.start + len(s.tensors)] = torch.tensor([_max_of(x.dtype) for x in s.tensors],
-                                                                    dtype=torch.float64)
-        elif getattr(s, "dtype", None) is not None:
-            maxima[i] = _max_of(s.dtype)
+            end = s.start + len(s.tensors)
+            maxima[s.start:end] = extension.dtype_maxima(list(s.tensors))
+            i = max(end, i + 1)
+        else:
+            if getattr(s, "dtype", None) is not None:
+                maxima[i] = _max_of(s.dtype)
+            i += 1
     return maxima
