@@ -3,7 +3,13 @@
 
 ``--model pkg.module:factory`` names a function returning the model (built the same way as in
 training); the factory may also return ``(model, forward)`` where ``forward(model, batch)``
-returns the loss or output of one step."""
+returns the loss or output of one step.
+
+Exit status: 0 nothing non-finite (``replay`` did not reproduce; ``bisect``: every backend ran
+finite, or some ran finite and the others failed); 1 ``replay`` reproduced / ``bisect``: some
+backend produced NaN or Inf; 2 an expected error (not a bundle, a tampered bundle, a bad
+``--model``), one line on stderr; 3 ``bisect``: every backend failed, so nothing was checked (each
+one's error is printed: a ``--model`` that does not fit the bundle?)."""
 from __future__ import annotations
 
 import argparse
@@ -57,7 +63,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="nanscan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="nanscan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="versions, usable backends, what was compiled")
     p_info.add_argument("--json", action="store_true", help="print strict JSON")
@@ -71,7 +78,9 @@ def _main(argv=None) -> int:
     p_replay.add_argument("--fp32", action="store_true", help="re-run in float32 without autocast")
     p_replay.add_argument("--backend", default=None, help="re-run compiled with this torch.compile backend")
     p_replay.add_argument("--anomaly", action="store_true", help="add detect_anomaly(check_nan=True)")
-    p_bisect = sub.add_parser("bisect", help="eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle")
+    p_bisect = sub.add_parser("bisect", help="eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle",
+                              epilog="exit status: 0 no backend produced NaN / Inf, 1 some backend did, "
+                                     "3 every backend failed (nothing was checked), 2 not a bundle / bad --model")
     p_bisect.add_argument("bundle")
     p_bisect.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
     p_report = sub.add_parser("report", help="timeline + summary of an event log (or a bundle's manifest)")
@@ -109,7 +118,13 @@ def _main(argv=None) -> int:
     results = bisect_backends(bundle, model, forward=forward)
     for name, result in results.items():
         print(f"{name:<28} {result}")
-    return 1 if any(r.finite is False for r in results.values()) else 0
+    if any(r.finite is False for r in results.values()):
+        return 1
+    if all(r.error is not None for r in results.values()):  # an errored backend has finite=None
+        print(f"nanscan: error: every backend failed ({len(results)}), nothing was checked: "
+              "does --model build the model this bundle was captured from?", file=sys.stderr)
+        return 3
+    return 0
 
 
 def report_command(args) -> int:
@@ -129,13 +144,25 @@ def report_command(args) -> int:
 
 
 def load_factory(spec: str):
-    """``pkg.module:factory`` -> (model, forward or None)."""
+    """``pkg.module:factory`` -> (model, forward or None). A malformed spec, a module that is not
+    there or a missing factory is a ``ValueError`` (one line, exit 2); what the user's module or
+    factory raises propagates as it is."""
     import importlib
+    import importlib.util
 
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise SystemExit(f"--model must look like pkg.module:factory, got {spec!r}")
-    made = getattr(importlib.import_module(module_name), attr)()
+        raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as e:  # a parent package that is missing
+        raise ValueError(f"--model {spec}: cannot find module {module_name!r} ({e})") from e
+    if found is None:
+        raise ValueError(f"--model {spec}: no module named {module_name!r} (is it on PYTHONPATH?)")
+    factory = getattr(importlib.import_module(module_name), attr, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec}: module {module_name!r} has no callable {attr!r}")
+    made = factory()
     return made if isinstance(made, tuple) else (made, None)
 
 

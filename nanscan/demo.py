@@ -92,6 +92,16 @@ def batch_for(step: int, device) -> tuple:
     return x, y
 
 
+def show_report(log_path: str, png: str) -> None:
+    """What ``nanscan report LOG -o PNG`` prints and draws (the plot only with matplotlib)."""
+    print("\n" + report.text_report(log_path))
+    try:
+        report.plot_report(log_path, png)
+        print(f"report plot: {png}")
+    except ImportError as e:
+        print(f"(no plot: {e})")
+
+
 def walkthrough(workdir: str) -> int:
     from nanscan.log import read_events
 
@@ -150,13 +160,7 @@ def walkthrough(workdir: str) -> int:
     print(f"  -> {'an fp16 range problem: FP32 stays finite' if not fp32.reproduced else 'not a precision problem'}")
     print(f"  (same from a shell: nanscan replay {error.bundle_path} --model nanscan.demo_model:make_model [--fp32])")
 
-    print("\n" + report.text_report(log_path))
-    png = os.path.join(workdir, "report.png")
-    try:
-        report.plot_report(log_path, png)
-        print(f"\nreport plot: {png}")
-    except ImportError as e:
-        print(f"\n(no plot: {e})")
+    show_report(log_path, os.path.join(workdir, "report.png"))
     ok = (inc.step == PLANTED_STEP and inc.phase == "forward" and inc.name == "embed" and inc.produced
           and result.reproduced and not fp32.reproduced)
     return 0 if ok else 1
@@ -204,13 +208,7 @@ def headroom_walkthrough(workdir: str) -> int:
     ahead = inc.step - warned.step
     print(f"-> warned {ahead} steps before the first Inf, in the module that overflowed "
           f"('{warned.name}' / '{inc.name}'); predicted step {warned.overflow_step}, actual {inc.step}")
-    print("\n" + report.text_report(log_path))
-    png = os.path.join(workdir, "headroom.png")
-    try:
-        report.plot_report(log_path, png)
-        print(f"report plot: {png}")
-    except ImportError as e:
-        print(f"(no plot: {e})")
+    show_report(log_path, os.path.join(workdir, "headroom.png"))
     close = warned.overflow_step is not None and abs(warned.overflow_step - inc.step) <= 0.25 * ahead
     return 0 if (warned.name == inc.name and inc.phase == "forward" and ahead >= 20 and close) else 1
 

@@ -97,3 +97,15 @@ def stable_seed(*parts) -> int:
     """A seed from ``parts`` that is the same in every process (``hash`` of a string is salted per
     process, so a seed made with it changes from run to run)."""
     return zlib.crc32(repr(parts).encode()) % 2**31
+
+
+def backward_and_step(loss: torch.Tensor, opt, scaler=None) -> None:
+    """The training loop's end, with or without a GradScaler (the AMP recipe), then zero_grad."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    opt.zero_grad()

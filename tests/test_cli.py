@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import nanscan
 from nanscan import _ops
 
@@ -21,8 +23,15 @@ def test_info_json_tells_backends_and_cuda_build():
     assert data["library_error"] is None and data["torch"]
 
 
-def test_demo_walks_through_the_incident(tmp_path):
-    out = run("demo", str(tmp_path))
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One `nanscan demo DIR` (about a minute), shared by the tests that read its output or rerun it."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    return tmp_path, run("demo", str(tmp_path))
+
+
+def test_demo_walks_through_the_incident(demo_run):
+    tmp_path, out = demo_run
     assert out.returncode == 0, out.stdout + out.stderr
     assert "sumsq overflowed (inputs finite)" in out.stdout
     assert out.stdout.count("empty ") >= 2  # the empty tensor on cpu and on reference
@@ -43,6 +52,20 @@ def test_demo_walks_through_the_incident(tmp_path):
     (warn_step, predicted), actual = map(int, warned.groups()), int(overflow.group(1))
     assert actual - warn_step >= 20 and abs(predicted - actual) <= 0.25 * (actual - warn_step)
     assert "headroom warnings (" in out.stdout and (tmp_path / "headroom.png").exists()
+
+
+def test_demo_twice_into_the_same_directory(demo_run):
+    # The second run's incident (same step, same rank) used to find its bundle name taken: the
+    # bundle was dropped with a warning and the demo died on bundle_path None (a TypeError).
+    tmp_path, first = demo_run
+    first_bundle = tmp_path / "bundles" / "step000014-rank0"
+    assert first.returncode == 0 and first_bundle.is_dir(), first.stdout + first.stderr
+    manifest = (first_bundle / "manifest.json").read_bytes()
+    out = run("demo", str(tmp_path))
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert f"bundle    {first_bundle}-1\n" in out.stdout and "could not write the bundle" not in out.stderr
+    assert (first_bundle / "manifest.json").read_bytes() == manifest  # the first run's bundle is untouched
+    assert nanscan.load_bundle(f"{first_bundle}-1").manifest["step"] == 14
 
 
 def test_cli_errors_are_one_line_not_a_traceback(tmp_path):

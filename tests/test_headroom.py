@@ -10,6 +10,7 @@ from torch import nn
 import nanscan
 from nanscan.headroom import SUGGESTED_BITS, dtype_max, headroom_bits, trend
 from nanscan.monitor.headroom import HeadroomWarning
+from tests.helpers import backward_and_step
 
 FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
 
@@ -277,14 +278,7 @@ def test_no_warning_on_healthy_runs_at_the_suggested_threshold(name, autocast):
                 else:
                     loss = nn.functional.cross_entropy(model(torch.randn(8, 3, 16, 16)).float(),
                                                        torch.randint(0, 10, (8,)))
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
+            backward_and_step(loss, opt, scaler)
     assert mon.incidents == [] and mon.headroom_events == []
     # the margin the suggested threshold leaves on these models (SUGGESTED_BITS's comment)
     tracked = [b for h in mon.headroom.history.values() for _, b in h]

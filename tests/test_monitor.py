@@ -7,6 +7,7 @@ from torch import nn
 
 import nanscan
 from nanscan.monitor import monitor as monitor_module
+from tests.helpers import backward_and_step
 
 INF = float("inf")
 
@@ -40,15 +41,7 @@ def train(model, mon, steps, batch_fn, opt, loss_scale=None, scaler=None):
     for i in range(steps):
         with mon.step():
             x = batch_fn(i)
-            loss = mon.check_loss(model(x).pow(2).mean())
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            opt.zero_grad()
+            backward_and_step(mon.check_loss(model(x).pow(2).mean()), opt, scaler)
 
 
 def setup(**kw):

@@ -5,37 +5,65 @@ Layout (every file but the manifest is written with ``torch.save`` and read back
 
     BUNDLE/
       manifest.json   strict JSON a person can read: step, incident, state markers, autocast,
-                      input dtypes, model precision, environment, and the SHA-256 of every file
-      batch.pt        {"args": [...], "kwargs": {...}}: the tensors that entered the step, cloned
-                      *before* the forward (later in-place edits do not reach the bundle)
+                      input dtypes, model precision, environment, the SHA-256 of every file, and
+                      ``digest``: the SHA-256 of the manifest itself (see :func:`manifest_digest`)
+      batch.pt        {"args": [...], "kwargs": {...}, "single": bool[, "mapping": True]}: the
+                      tensors that entered the step, cloned *before* the forward (later in-place
+                      edits do not reach the bundle)
       rng.pt          RNG states captured before the step: python, numpy, torch CPU, every CUDA device
       model.pt        model.state_dict()
       optimizer.pt    optimizer.state_dict()        (when an optimizer was given)
       scaler.pt       GradScaler.state_dict()       (when a scaler was given)
 
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place,
-and an existing path is never overwritten. ``load_bundle`` checks every file against the
-manifest's hashes first, so a truncated or edited file is refused with its name; a file whose
-hash was forged too still cannot execute code, because it is loaded with ``weights_only=True``.
+and an existing path is never overwritten (the monitor writes a rerun's bundle under the first
+free ``-1``, ``-2``, ... suffix instead). A write that fails (a full disk) removes the partial
+bundle and says how many bytes were free.
+
+``load_bundle`` verifies before it trusts anything:
+
+- the manifest: UTF-8, strict JSON (no NaN / Infinity), at most 16 MiB and 32 levels deep, every
+  field of the type ``write_bundle`` writes, and its ``digest`` must match its content -- a
+  flipped byte (the step, the incident's name) is refused as "edited or corrupted". The digest
+  is a checksum, not a signature: it catches corruption and hand edits, not someone who
+  recomputes it (nothing in a bundle is secret or signed).
+- every file: a regular file inside the bundle directory (a symbolic link is refused, even one
+  pointing inside), matching the manifest's hash, so a truncated or edited file is refused with
+  its name; a file whose hash was forged too still cannot execute code (``weights_only=True``)
+  and must hold what ``write_bundle`` writes (e.g. ``model.pt`` a dict of str -> Tensor).
+
+Versions: format 2 added the manifest digest. A format-1 bundle (written before it) still loads
+-- its files are verified as before -- but its manifest cannot be, so ``load_bundle`` warns and
+sets ``Bundle.manifest_verified = False``; a format-1 manifest that carries a digest is refused
+(its version was edited).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import os
 import platform
 import random
+import re
 import shutil
+import stat
 import tempfile
+import warnings
 from typing import Any, Optional
 
 import torch
 
 FORMAT = "nanscan-bundle"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries its own digest
+READABLE_VERSIONS = (1, 2)
 _TENSOR_FILES = ("batch.pt", "rng.pt", "model.pt", "optimizer.pt", "scaler.pt")
+_REQUIRED_FILES = ("batch.pt", "rng.pt", "model.pt")
+_MANIFEST_MAX_BYTES = 16 << 20  # ours are a few KiB (the incident's records); far larger is not ours
+_MAX_DEPTH = 32  # ours nest ~5 deep; a bound keeps every reader (json, repr, the report) off RecursionError
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
 
 
 class BundleError(ValueError):
@@ -160,40 +188,76 @@ def _dtypes_of(batch: dict) -> list:
     return out
 
 
-def _sha256(path: str) -> str:
+def _sha256_file(f) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------------------- write / load
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return _sha256_file(f)
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The ``digest`` of a manifest: SHA-256 (hex) of its canonical JSON without the ``digest``
+    field -- ``json.dumps(sort_keys=True, separators=(",", ":"), allow_nan=False)``, ASCII. Every
+    key and value is covered; layout (indentation, key order) is not."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def free_bundle_path(path: str) -> str:
+    """``path`` when nothing is there, else the first free ``path-1``, ``path-2``, ..."""
+    if not os.path.lexists(path):
+        return path
+    n = 1
+    while os.path.lexists(f"{path}-{n}"):
+        n += 1
+    return f"{path}-{n}"
+
+
+class BundleWriteError(OSError):
+    """A bundle could not be written (``errno.ENOSPC`` when the disk is full); the partial bundle
+    was removed and the original error is the ``__cause__``."""
+
+
+# ---------------------------------------------------------------------------- write
 def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimizer_state=None,
                  scaler_state=None, state_when: str = "before-update", training: bool = True,
                  autocast: Optional[dict] = None, precision: Optional[dict] = None,
-                 incident: Optional[dict] = None, step: Optional[int] = None, extra: Optional[dict] = None) -> str:
-    """Write a bundle directory atomically at ``path`` (which must not exist); return ``path``.
+                 incident: Optional[dict] = None, step: Optional[int] = None, extra: Optional[dict] = None,
+                 new_name: bool = False) -> str:
+    """Write a bundle directory atomically at ``path``; return the path written.
+
+    An existing ``path`` is never overwritten: it is a ``FileExistsError``, or with ``new_name``
+    the bundle goes to the first free ``path-1``, ``path-2``, ... (a rerun into the same
+    directory keeps both). A failed write (a full disk) removes the partial bundle and raises
+    :class:`BundleWriteError` saying how many bytes were free.
 
     ``state_when`` is the honest marker of the model / optimizer / scaler state: ``"before-update"``
     (taken before the step's optimizer update ran) or ``"after-update"``."""
     path = os.path.abspath(path)
-    if os.path.exists(path):
+    if os.path.lexists(path) and not new_name:
         raise FileExistsError(f"nanscan: {path} already exists; a bundle never overwrites anything")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    files = {"batch.pt": batch, "rng.pt": rng, "model.pt": model_state}
+    if optimizer_state is not None:
+        files["optimizer.pt"] = optimizer_state
+    if scaler_state is not None:
+        files["scaler.pt"] = scaler_state
+    writing = None  # the file being written, for the error of a failed write
     try:
-        files = {"batch.pt": batch, "rng.pt": rng, "model.pt": model_state}
-        if optimizer_state is not None:
-            files["optimizer.pt"] = optimizer_state
-        if scaler_state is not None:
-            files["scaler.pt"] = scaler_state
         hashes = {}
-        for name, obj in files.items():
-            target = os.path.join(tmp, name)
+        for writing, obj in files.items():
+            target = os.path.join(tmp, writing)
             torch.save(obj, target)
-            hashes[name] = _sha256(target)
+            hashes[writing] = _sha256(target)
+        writing = "manifest.json"
         manifest = {
             "format": FORMAT, "version": VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
@@ -202,20 +266,97 @@ def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimi
             "inputs": _dtypes_of(batch), "incident": incident, "environment": environment(),
             "extra": extra or {}, "files": hashes,
         }
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        manifest["digest"] = manifest_digest(manifest)
+        with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, path)  # atomic on one filesystem: a reader sees no bundle or a whole one
-    except BaseException:
+        writing = None
+        return _rename_into_place(tmp, path, new_name)
+    except BaseException as e:
+        # measured before the partial bundle is removed: the space free when the write failed
+        error = _write_error(e, path, writing, files.get(writing)) if writing and _is_write_failure(e) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if error is not None:
+            raise error from e
         raise
-    return path
 
 
+def _rename_into_place(tmp: str, path: str, new_name: bool) -> str:
+    while True:
+        target = free_bundle_path(path) if new_name else path
+        if os.path.lexists(target):  # something appeared at path while the bundle was written
+            raise FileExistsError(f"nanscan: {path} already exists; a bundle never overwrites anything")
+        try:
+            os.rename(tmp, target)  # atomic on one filesystem: a reader sees no bundle or a whole one
+            return target
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            if not new_name:
+                raise FileExistsError(f"nanscan: {path} already exists; a bundle never overwrites anything") from e
+            # another writer took the name between the check and the rename: the next free one
+
+
+_DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_WRITE_ERRNOS = _DISK_FULL_ERRNOS | {errno.EFBIG, errno.EIO}
+_LOW_FREE_BYTES = 1 << 20  # free space this low when a write failed: the disk is what filled up
+
+
+def _is_write_failure(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in _WRITE_ERRNOS
+    # torch's zip writer reports a failed write (a full disk) as e.g. "[enforce fail at
+    # inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: file write failed"
+    return isinstance(e, RuntimeError) and any(
+        s in str(e) for s in ("inline_container", "PytorchStreamWriter", "file write failed"))
+
+
+def _payload_bytes(obj) -> Optional[int]:
+    """About how many bytes ``torch.save(obj)`` writes: its tensors' storages, each once."""
+    total, seen, stack = 0, set(), [(obj, 0)]
+    try:
+        while stack:
+            value, depth = stack.pop()
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                key = (storage.data_ptr(), str(storage.device))
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+            elif depth < _MAX_DEPTH and isinstance(value, dict):
+                stack.extend((v, depth + 1) for v in value.values())
+            elif depth < _MAX_DEPTH and isinstance(value, (list, tuple)):
+                stack.extend((v, depth + 1) for v in value)
+    except Exception:  # an exotic tensor subclass: the size is only a hint
+        return None
+    return total
+
+
+def _write_error(e: BaseException, path: str, name: str, obj) -> BundleWriteError:
+    parent = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(parent).free
+    except OSError:
+        free = None
+    need = _payload_bytes(obj) if name != "manifest.json" else None
+    full = (getattr(e, "errno", None) in _DISK_FULL_ERRNOS
+            or (free is not None and (free < _LOW_FREE_BYTES or (need is not None and need > free))))
+    space = ("free space unknown" if free is None else f"{free} bytes free in {parent}") + (
+        f"; {name} needs about {need} bytes" if need is not None else "")
+    if full:
+        return BundleWriteError(errno.ENOSPC, f"nanscan: the disk is full: writing {name} of the bundle {path} "
+                                f"failed ({space}); the partial bundle was removed")
+    return BundleWriteError(f"nanscan: writing {name} of the bundle {path} failed ({space}, so the disk is "
+                            f"probably not full: a quota, a file size limit or an I/O error?): {e}; "
+                            "the partial bundle was removed")
+
+
+# ---------------------------------------------------------------------------- load
 @dataclasses.dataclass
 class Bundle:
-    """A loaded bundle: ``manifest`` (dict) and the tensor payloads."""
+    """A loaded bundle: ``manifest`` (dict) and the tensor payloads. ``manifest_verified`` is
+    False only for a format-1 bundle, whose manifest has no digest."""
 
     path: str
     manifest: dict
@@ -224,6 +365,7 @@ class Bundle:
     model_state: dict
     optimizer_state: Optional[dict]
     scaler_state: Optional[dict]
+    manifest_verified: bool = True
 
     @property
     def args(self) -> list:
@@ -242,40 +384,336 @@ class Bundle:
 
 
 def load_bundle(path: str, map_location: Any = "cpu") -> Bundle:
-    """Load and verify a bundle; raises :class:`BundleError` naming the file that is wrong."""
+    """Load and verify a bundle (what is checked: the module docstring); raises
+    :class:`BundleError` naming the file that is wrong and why. A format-1 bundle (no manifest
+    digest) loads with a ``UserWarning`` and ``manifest_verified=False``."""
     path = os.path.abspath(path)
     manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest_path):
+    if not os.path.isdir(path) or not os.path.lexists(manifest_path):
         raise BundleError(f"{path} is not a nanscan bundle: {manifest_path} is missing")
-    try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise BundleError(f"{manifest_path} is not valid JSON ({e}); the bundle is truncated or was edited") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise BundleError(f"{manifest_path} is not a nanscan bundle manifest")
-    if manifest.get("version") != VERSION:
-        raise BundleError(f"{manifest_path}: bundle format version {manifest.get('version')} is not supported "
-                          f"(this nanscan reads version {VERSION})")
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not {"batch.pt", "rng.pt", "model.pt"} <= set(files):
-        raise BundleError(f"{manifest_path} does not list batch.pt, rng.pt and model.pt")
+    with _open_in_bundle(path, "manifest.json") as f:
+        raw = f.read(_MANIFEST_MAX_BYTES + 1)
+    manifest = _parse_manifest(raw, manifest_path)
+    verified = _verify_manifest(manifest, manifest_path)
     loaded = {}
+    for name in _TENSOR_FILES:
+        if name not in manifest["files"]:
+            continue
+        file_path = os.path.join(path, name)
+        with _open_in_bundle(path, name) as f:  # hashed and loaded from the same open file
+            if _sha256_file(f) != manifest["files"][name]:
+                raise BundleError(f"{file_path} does not match the hash in manifest.json: truncated or tampered with")
+            f.seek(0)
+            try:
+                obj = torch.load(f, map_location=map_location, weights_only=True)
+            except Exception as e:  # weights_only refuses any global it does not know: never executed
+                raise BundleError(f"{file_path} could not be loaded safely (weights_only=True refused it: {e})") from e
+        problem = _PAYLOAD_CHECKS[name](obj)
+        if problem is not None:
+            raise BundleError(f"{file_path} is not what nanscan writes there: it holds {problem}; "
+                              f"expected {_PAYLOAD_EXPECTED[name]}")
+        loaded[name] = obj
+    return Bundle(path=path, manifest=manifest, batch=loaded["batch.pt"], rng=loaded["rng.pt"],
+                  model_state=loaded["model.pt"], optimizer_state=loaded.get("optimizer.pt"),
+                  scaler_state=loaded.get("scaler.pt"), manifest_verified=verified)
+
+
+def _open_in_bundle(directory: str, name: str):
+    """``directory/name`` opened for reading, when it is a regular file inside ``directory``: a
+    symbolic link (even one pointing inside), a device, a FIFO or a file swapped while being
+    opened is refused."""
+    file_path = os.path.join(directory, name)
+    try:
+        st = os.lstat(file_path)
+    except FileNotFoundError:
+        raise BundleError(f"{file_path} is missing from the bundle") from None
+    except OSError as e:
+        raise BundleError(f"{file_path} cannot be read ({e})") from e
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            target = os.readlink(file_path)
+        except OSError:
+            target = "?"
+        raise BundleError(f"{file_path} is a symbolic link (to {target!r}): a bundle's files must be regular files "
+                          "inside it; refused")
+    if not stat.S_ISREG(st.st_mode):
+        raise BundleError(f"{file_path} is not a regular file; refused")
+    if os.path.dirname(os.path.realpath(file_path)) != os.path.realpath(directory):
+        raise BundleError(f"{file_path} resolves to {os.path.realpath(file_path)}, outside the bundle; refused")
+    # O_NOFOLLOW and the inode comparison close the window between the lstat and the open;
+    # O_NONBLOCK keeps a FIFO swapped in meanwhile from blocking the open.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(file_path, flags)
+    except OSError as e:
+        raise BundleError(f"{file_path} cannot be opened ({e}); refused") from e
+    opened = os.fstat(fd)
+    if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        raise BundleError(f"{file_path} was replaced while it was opened; refused")
+    return os.fdopen(fd, "rb")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _parse_manifest(raw: bytes, manifest_path: str):
+    if len(raw) > _MANIFEST_MAX_BYTES:
+        raise BundleError(f"{manifest_path} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB: not a manifest nanscan wrote")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BundleError(f"{manifest_path} is not UTF-8 ({e}): the manifest was edited or corrupted") from e
+    try:
+        manifest = json.loads(text, parse_float=_finite_float, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
+        raise BundleError(f"{manifest_path} is not valid JSON ({type(e).__name__}: {e}); "
+                          "the bundle is truncated or was edited") from e
+    _check_json_tree(manifest, manifest_path)
+    return manifest
+
+
+def _check_json_tree(root, where: str) -> None:
+    """Bounded depth and strings that are Unicode (no lone surrogate from a ``\\ud800`` escape),
+    so that hashing, printing and reporting the manifest cannot fail."""
+    stack = [(root, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)) and depth > _MAX_DEPTH:
+            raise BundleError(f"{where} nests deeper than {_MAX_DEPTH} levels: not a manifest nanscan wrote")
+        strings = []
+        if isinstance(value, dict):
+            strings = list(value)
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str):
+            strings = [value]
+        for s in strings:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BundleError(f"{where} holds a string that is not valid Unicode ({e}): the manifest was "
+                                  "edited or corrupted") from e
+
+
+def _kind(value) -> str:
+    name = type(value).__name__
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _verify_manifest(m, manifest_path: str) -> bool:
+    """Format, version, digest, then the type of every field; returns whether the manifest was
+    covered by a digest (False for format 1)."""
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise BundleError(f"{manifest_path} is not a nanscan bundle manifest")
+    version = m.get("version")
+    if type(version) is not int or version not in READABLE_VERSIONS:  # type(): True is not version 1
+        raise BundleError(f"{manifest_path}: bundle format version {repr(version)[:40]} is not supported "
+                          f"(this nanscan reads versions {', '.join(map(str, READABLE_VERSIONS))})")
+    if version >= 2:
+        if "digest" not in m:
+            raise BundleError(f"{manifest_path} has no digest, which format {version} always writes: the manifest "
+                              "was edited or corrupted")
+        if m["digest"] != manifest_digest(m):
+            raise BundleError(f"{manifest_path} was edited or corrupted: its content does not match its digest")
+        verified = True
+    else:
+        if "digest" in m:
+            raise BundleError(f"{manifest_path} says format 1, which has no digest, yet carries one: the manifest "
+                              "was edited or corrupted")
+        warnings.warn(f"nanscan: {manifest_path} is a format-1 bundle, written before manifests carried a digest: "
+                      "its files are verified, the manifest itself cannot be", UserWarning, stacklevel=3)
+        verified = False
+    _check_fields(m, manifest_path)
+    return verified
+
+
+def _is_torch_dtype(name) -> bool:
+    return isinstance(name, str) and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+# field -> (what it must be, check); a field write_bundle always writes may still be absent in an
+# older bundle (readers use .get), but when present it has this type.
+_FIELDS = {
+    "created": ("a string", lambda v: isinstance(v, str)),
+    "step": ("an integer or null", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool))),
+    "state": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "training": ("true or false", lambda v: isinstance(v, bool)),
+    "incident": ("an object or null", lambda v: v is None or isinstance(v, dict)),
+    "autocast": ('an object of device -> {"enabled": bool, "dtype": a torch dtype name}',
+                 lambda v: isinstance(v, dict) and all(
+                     isinstance(a, dict) and isinstance(a.get("enabled"), bool) and _is_torch_dtype(a.get("dtype"))
+                     for a in v.values())),
+    "model_precision": ("an object", lambda v: isinstance(v, dict)),
+    "inputs": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v)),
+    "environment": ("an object", lambda v: isinstance(v, dict)),
+    "extra": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _check_fields(m: dict, manifest_path: str) -> None:
+    files = m.get("files")
+    if not isinstance(files, dict):
+        raise BundleError(f"{manifest_path}: files is {_kind(files)}, expected an object of file name -> SHA-256")
     for name, digest in files.items():
         if name not in _TENSOR_FILES:
             raise BundleError(f"{manifest_path} lists an unexpected file {name!r}")
-        file_path = os.path.join(path, name)
-        if not os.path.isfile(file_path):
-            raise BundleError(f"{file_path} is missing from the bundle")
-        if _sha256(file_path) != digest:
-            raise BundleError(f"{file_path} does not match the hash in manifest.json: truncated or tampered with")
+        if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
+            raise BundleError(f"{manifest_path}: the hash of {name} is {repr(digest)[:80]}, expected a SHA-256 "
+                              "(64 lowercase hex digits)")
+    if not set(_REQUIRED_FILES) <= set(files):
+        raise BundleError(f"{manifest_path} does not list batch.pt, rng.pt and model.pt")
+    for field, (expected, ok) in _FIELDS.items():
+        if field in m and not ok(m[field]):
+            raise BundleError(f"{manifest_path}: {field} is {repr(m[field])[:80]}, expected {expected}: "
+                              "not a manifest nanscan wrote")
+
+
+# ---------------------------------------------------------------------------- payload checks
+# Each returns None when the loaded object has the structure write_bundle gives that file, else
+# what is wrong; run after torch.load(weights_only=True), so a forged file with a matching hash
+# is refused here instead of failing later inside replay.
+def _leaves_problem(root, where: str) -> Optional[str]:
+    stack = [(root, where, 0)]
+    while stack:
+        value, at, depth = stack.pop()
+        if depth > _MAX_DEPTH:
+            return f"{at}: nested deeper than {_MAX_DEPTH} levels"
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    return f"{at}: a key {k!r} that is not a string"
+                stack.append((v, f"{at}.{k}", depth + 1))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, f"{at}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif not (value is None or isinstance(value, (torch.Tensor, bool, int, float, str))):
+            return f"{at}: {_kind(value)}"
+    return None
+
+
+def _batch_problem(obj) -> Optional[str]:
+    if not isinstance(obj, dict):
+        return _kind(obj)
+    unknown = sorted(map(repr, set(obj) - {"args", "kwargs", "single", "mapping"}))
+    if unknown:
+        return f"the unexpected key(s) {', '.join(unknown)}"
+    args, kwargs = obj.get("args"), obj.get("kwargs")
+    if not isinstance(args, (list, tuple)):
+        return f"args: {_kind(args)}"
+    if not isinstance(kwargs, dict):
+        return f"kwargs: {_kind(kwargs)}"
+    for key in ("single", "mapping"):
+        if key in obj and not isinstance(obj[key], bool):
+            return f"{key}: {_kind(obj[key])}"
+    if obj.get("single") and len(args) != 1:
+        return f"single=True with {len(args)} positional inputs"
+    if obj.get("mapping") and args:
+        return "mapping=True with positional inputs"
+    return _leaves_problem(args, "args") or _leaves_problem(kwargs, "kwargs")
+
+
+def _byte_state(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+
+
+def _rng_problem(obj) -> Optional[str]:
+    if not isinstance(obj, dict):
+        return _kind(obj)
+    py = obj.get("python")
+    if not isinstance(py, (list, tuple)) or len(py) != 3:
+        return f"python: {_kind(py)}" + (f" of length {len(py)}" if isinstance(py, (list, tuple)) else "")
+    try:  # a private Random: checked the way restore_rng uses it, without touching the global state
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+    except (TypeError, ValueError, OverflowError) as e:
+        return f"python: not a random.getstate() ({e})"
+    cpu = obj.get("torch_cpu")
+    if not _byte_state(cpu):
+        return f"torch_cpu: {_kind(cpu)}" + (f" of {cpu.dtype}" if isinstance(cpu, torch.Tensor) else "")
+    if cpu.device.type == "cpu":
         try:
-            loaded[name] = torch.load(file_path, map_location=map_location, weights_only=True)
-        except Exception as e:  # weights_only refuses any global it does not know: never executed
-            raise BundleError(f"{file_path} could not be loaded safely (weights_only=True refused it: {e})") from e
-    return Bundle(path=path, manifest=manifest, batch=loaded["batch.pt"], rng=loaded["rng.pt"],
-                  model_state=loaded["model.pt"], optimizer_state=loaded.get("optimizer.pt"),
-                  scaler_state=loaded.get("scaler.pt"))
+            torch.Generator().set_state(cpu)
+        except RuntimeError as e:
+            return f"torch_cpu: not a torch RNG state ({e})"
+    np_state = obj.get("numpy")
+    if np_state is not None:
+        if not (isinstance(np_state, (list, tuple)) and len(np_state) == 5 and isinstance(np_state[0], str)
+                and isinstance(np_state[1], torch.Tensor)
+                and all(isinstance(x, (int, float)) for x in np_state[2:])):
+            return f"numpy: {_kind(np_state)}, not [kind, keys, pos, has_gauss, cached]"
+        try:
+            import numpy as np
+        except ImportError:
+            np = None
+        if np is not None:
+            kind, keys, pos, has_gauss, cached = np_state
+            try:
+                np.random.RandomState().set_state((kind, keys.cpu().numpy().astype("uint32"), pos, has_gauss, cached))
+            except (TypeError, ValueError) as e:
+                return f"numpy: not a numpy RNG state ({e})"
+    cuda = obj.get("cuda", [])
+    if not isinstance(cuda, (list, tuple)) or not all(_byte_state(c) for c in cuda):
+        return f"cuda: {_kind(cuda)}, not a list of uint8 RNG states"
+    return None
+
+
+def _model_problem(obj) -> Optional[str]:
+    if not isinstance(obj, dict):
+        return _kind(obj)
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            return f"a key {k!r} that is not a string"
+        if not isinstance(v, torch.Tensor) and not k.endswith("_extra_state"):  # get_extra_state: any value
+            return f"{k!r}: {_kind(v)}"
+    return None
+
+
+def _optimizer_problem(obj) -> Optional[str]:
+    if not isinstance(obj, dict):
+        return _kind(obj)
+    state, groups = obj.get("state"), obj.get("param_groups")
+    if not isinstance(state, dict):
+        return f"state: {_kind(state)}"
+    for k, v in state.items():
+        if not isinstance(v, dict):
+            return f"state[{k!r}]: {_kind(v)}"
+    if not isinstance(groups, (list, tuple)):
+        return f"param_groups: {_kind(groups)}"
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), (list, tuple)):
+            return f"param_groups[{i}]: {_kind(g)} without a params list"
+    return None
+
+
+def _scaler_problem(obj) -> Optional[str]:
+    if not isinstance(obj, dict):
+        return _kind(obj)
+    for k, v in obj.items():
+        if not isinstance(k, str) or not isinstance(v, (int, float)):
+            return f"{k!r}: {_kind(v)}"
+    return None
+
+
+_PAYLOAD_CHECKS = {"batch.pt": _batch_problem, "rng.pt": _rng_problem, "model.pt": _model_problem,
+                   "optimizer.pt": _optimizer_problem, "scaler.pt": _scaler_problem}
+_PAYLOAD_EXPECTED = {
+    "batch.pt": 'a dict {"args": list, "kwargs": dict, "single": bool} of tensors, numbers, strings, None and '
+                "lists / dicts of them",
+    "rng.pt": 'a dict {"python": random.getstate() as a list, "torch_cpu": uint8 tensor, "numpy": None or '
+              '[kind, keys, pos, has_gauss, cached], "cuda": list of uint8 tensors}',
+    "model.pt": "a dict of str -> Tensor (model.state_dict())",
+    "optimizer.pt": 'a dict {"state": dict of dicts, "param_groups": list of dicts with "params"} '
+                    "(optimizer.state_dict())",
+    "scaler.pt": "a dict of str -> number (GradScaler.state_dict())",
+}
 
 
 def capture_bundle(path: str, *, model: torch.nn.Module, batch: Any = (), kwargs: Optional[dict] = None,

@@ -57,7 +57,8 @@ class StepCapture:
             self.saved[step]["autocast"] = autocast_state()
 
     def write(self, incident, capture_dir: str, step: int, *, current_step: int, applied_this_step) -> str:
-        """Write the bundle of ``step`` into ``capture_dir``; returns its path.
+        """Write the bundle of ``step`` into ``capture_dir`` as ``step<step>-rank<rank>``, or under the
+        first free ``-1``, ``-2``, ... suffix when that exists (a rerun); returns the path written.
 
         The state marker is "before-update" when the check ran before ``optimizer.step`` (sync mode,
         non-update phases, the current step) or when the pre-update state was kept; otherwise it is
@@ -80,13 +81,15 @@ class StepCapture:
         model_state, opt_state, scaler_state = pre if pre is not None else (
             self.model.state_dict(), self.optimizer.state_dict() if self.optimizer is not None else None,
             self.scaler.state_dict() if self.scaler is not None else None)
-        self.bundle_step = step
+        # new_name: a rerun into the same capture_dir (same step and rank) writes step...-rank0-1 and
+        # keeps both; bundle_path is the path actually written.
         self.bundle_path = B.write_bundle(
-            os.path.join(capture_dir, f"step{step:06d}-rank{self.rank}"),
+            os.path.join(capture_dir, f"step{step:06d}-rank{self.rank}"), new_name=True,
             batch=saved["batch"] or {"args": [], "kwargs": {}, "single": False}, rng=saved["rng"],
             model_state=model_state, optimizer_state=opt_state, scaler_state=scaler_state,
             state_when="before-update" if before else "after-update", training=saved["training"],
             autocast=saved["autocast"], precision=B.model_precision(self.model),
             incident=incident.to_dict() if incident is not None else None,
             step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
+        self.bundle_step = step
         return self.bundle_path
