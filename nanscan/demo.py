@@ -92,6 +92,18 @@ def batch_for(step: int, device) -> tuple:
     return x, y
 
 
+def fresh(workdir: str, name: str) -> str:
+    """``workdir/name``, or ``name-2``, ``name-3``... when taken: a rerun into the same directory
+    gets logs and plots of its own (an event log appends, and its report would mix the runs) and
+    never touches the earlier run's files."""
+    stem, suffix = os.path.splitext(name)
+    path, k = os.path.join(workdir, name), 1
+    while os.path.exists(path):
+        k += 1
+        path = os.path.join(workdir, f"{stem}-{k}{suffix}")
+    return path
+
+
 def show_report(log_path: str, png: str) -> None:
     """What ``nanscan report LOG -o PNG`` prints and draws (the plot only with matplotlib)."""
     print("\n" + report.text_report(log_path))
@@ -110,7 +122,7 @@ def walkthrough(workdir: str) -> int:
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = torch.amp.GradScaler(device, init_scale=2.0**20)  # high on purpose: a few early skips
-    log_path = os.path.join(workdir, "events.jsonl")
+    log_path = fresh(workdir, "events.jsonl")
     bundles = os.path.join(workdir, "bundles")
     print(f"\n== 2. incident walk-through: tiny transformer, fp16 autocast + GradScaler on {device} ==")
     print(f"event log {log_path}; bundles in {bundles}")
@@ -160,7 +172,7 @@ def walkthrough(workdir: str) -> int:
     print(f"  -> {'an fp16 range problem: FP32 stays finite' if not fp32.reproduced else 'not a precision problem'}")
     print(f"  (same from a shell: nanscan replay {error.bundle_path} --model nanscan.demo_model:make_model [--fp32])")
 
-    show_report(log_path, os.path.join(workdir, "report.png"))
+    show_report(log_path, fresh(workdir, "report.png"))
     ok = (inc.step == PLANTED_STEP and inc.phase == "forward" and inc.name == "embed" and inc.produced
           and result.reproduced and not fp32.reproduced)
     return 0 if ok else 1
@@ -176,7 +188,7 @@ def headroom_walkthrough(workdir: str) -> int:
     drifting = model.get_submodule(DRIFT_MODULE)
     with torch.no_grad():
         drifting.weight.mul_(DRIFT_START)
-    log_path = os.path.join(workdir, "headroom.jsonl")
+    log_path = fresh(workdir, "headroom.jsonl")
     print(f"\n== 3. early warning: {DRIFT_MODULE}'s weights start {DRIFT_START:g}x too large and grow "
           f"{100 * (DRIFT - 1):.0f}% a step, fp16 autocast on {device} ==")
     print(f"nanscan.watch(model, opt, scaler, headroom_bits=True, log={log_path!r})")
@@ -208,7 +220,7 @@ def headroom_walkthrough(workdir: str) -> int:
     ahead = inc.step - warned.step
     print(f"-> warned {ahead} steps before the first Inf, in the module that overflowed "
           f"('{warned.name}' / '{inc.name}'); predicted step {warned.overflow_step}, actual {inc.step}")
-    show_report(log_path, os.path.join(workdir, "headroom.png"))
+    show_report(log_path, fresh(workdir, "headroom.png"))
     close = warned.overflow_step is not None and abs(warned.overflow_step - inc.step) <= 0.25 * ahead
     return 0 if (warned.name == inc.name and inc.phase == "forward" and ahead >= 20 and close) else 1
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import nanscan
-from nanscan import _ops
+from nanscan import _ops, report
 
 
 def run(*args):
@@ -66,6 +66,10 @@ def test_demo_twice_into_the_same_directory(demo_run):
     assert f"bundle    {first_bundle}-1\n" in out.stdout and "could not write the bundle" not in out.stderr
     assert (first_bundle / "manifest.json").read_bytes() == manifest  # the first run's bundle is untouched
     assert nanscan.load_bundle(f"{first_bundle}-1").manifest["step"] == 14
+    # and logs of its own: the first run's log is untouched, the second's report is of one run
+    second = report.summarize_run(str(tmp_path / "events-2.jsonl"))
+    assert not [n for n in second["notes"] if "more than once" in n], second["notes"]
+    assert (tmp_path / "headroom-2.jsonl").exists() and (tmp_path / "headroom-2.png").exists()
 
 
 def test_cli_errors_are_one_line_not_a_traceback(tmp_path):
