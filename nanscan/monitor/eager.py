@@ -39,6 +39,12 @@ import torch
 
 ROOT = "(model)"
 
+# The hooks' "is this call being traced?" is torch.compiler.is_compiling() written out:
+# is_dynamo_compiling() (dynamo folds it to True; in eager one trivial Python call, where
+# is_compiling makes two) or the flag torch.export's non-strict tracing sets. Every hook asks it on
+# every module call.
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+
 
 def _run_eagerly_as_frame(fn):
     """Have dynamo run ``fn`` -- and everything it calls -- eagerly whenever ``fn`` is a frame of its
@@ -176,10 +182,10 @@ class EagerHooks:
     # Everything a call needs is bound once here: a hook is one check and one C++ call.
     def _pre_hook(self, info: ModuleInfo):
         traced, pre, index = self.monitor.traced, self._pre, info.index
-        is_compiling = torch.compiler.is_compiling
+        dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
 
         def pre_hook(module, args, kwargs):
-            if is_compiling():
+            if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
                 return traced.write_inputs(info, args, kwargs)
             pre(index, module, args, kwargs)
 
@@ -187,11 +193,11 @@ class EagerHooks:
 
     def _post_hook(self, info: ModuleInfo):
         traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
-        is_compiling = torch.compiler.is_compiling
+        dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
 
         if info.is_root:
             def post_hook(module, args, kwargs, output):
-                if is_compiling():
+                if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
                     return traced.write_outputs(info, output)
                 # After a compiled forward the root's eager records would precede the graph's rows
                 # in production order: they only serve attribution (the loss).
@@ -199,7 +205,7 @@ class EagerHooks:
                 post(index, module, args, kwargs, output)
         else:
             def post_hook(module, args, kwargs, output):
-                if is_compiling():
+                if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
                     return traced.write_outputs(info, output)
                 post(index, module, args, kwargs, output)
 
