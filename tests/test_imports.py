@@ -107,7 +107,7 @@ def test_no_import_cycles_in_nanscan():
 def test_report_imports_neither_torch_nor_the_rest_of_nanscan(tmp_path):
     """``nanscan.report`` works where only the log is: torch blocked, and nanscan/__init__ (which
     imports torch) replaced by a bare package so that only the report's own modules (and the
-    torch-free JSON format, nanscan.jsonl) run."""
+    torch-free JSON format, nanscan.jsonl, and the phase / kind words, nanscan.vocabulary) run."""
     log = tmp_path / "events.jsonl"
     log.write_text('{"type": "step", "step": 0, "rank": 0, "loss": {"finite": false, "value": "nan"}}\n')
     code = textwrap.dedent(f"""
@@ -120,7 +120,7 @@ def test_report_imports_neither_torch_nor_the_rest_of_nanscan(tmp_path):
         text = report.text_report({str(log)!r})
         assert "step 0: loss non-finite" in text, text
         loaded = sorted(m for m in sys.modules if m.startswith("nanscan."))
-        assert all(m.startswith("nanscan.report") or m == "nanscan.jsonl" for m in loaded), loaded
+        assert all(m.startswith("nanscan.report") or m in ("nanscan.jsonl", "nanscan.vocabulary") for m in loaded), loaded
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)

@@ -255,3 +255,13 @@ def test_bundle_page_of_an_odd_manifest_does_not_crash():
     assert "  autocast     cpu: on, None\n  autocast     cuda: off\n" in text
     assert "  parameters   -\n" in text and "  input        None: float32None\n" in text
     assert "  files        -\n" in text and "incident     grad 'None' in None" in text
+
+
+def test_incident_sentences_use_the_monitors_kind_phrases():
+    """One vocabulary (nanscan.vocabulary): a buffer incident reads "buffer after the update" in the
+    report as in str(Incident) (the report had its own table, without buffers)."""
+    from nanscan.vocabulary import KIND_PHRASES, KINDS
+
+    for kind in KINDS:
+        text = report.incident_text({"step": 3, "phase": "update", "kind": kind, "name": "bn.running_var"})
+        assert text.startswith(f"non-finite {KIND_PHRASES[kind]} 'bn.running_var' at step 3"), text

@@ -26,9 +26,10 @@ from __future__ import annotations
 import fnmatch
 from typing import Optional
 
-from nanscan.monitor.incident import PHASE_ORDER, Incident
+from nanscan.monitor.incident import Incident
 from nanscan.monitor.slots import at
 from nanscan.record import TensorSummary
+from nanscan.vocabulary import PHASE_ORDER
 
 
 def allowed(slot, patterns) -> bool:

@@ -19,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from nanscan.monitor.incident import PHASE_ORDER
-from nanscan.sharded import dtensor_type, is_dtensor
 from nanscan.record import Field
+from nanscan.sharded import dtensor_type, is_dtensor
+from nanscan.vocabulary import PHASE_ORDER
 
 
 def has_dtensors(tensors) -> bool:

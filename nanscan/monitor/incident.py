@@ -5,14 +5,7 @@ import dataclasses
 from typing import Optional
 
 from nanscan.record import TensorSummary
-
-# Training order within a step; "eval" is a forward outside training (no_grad, inference_mode,
-# model.eval()) that ran after the step's update.
-PHASES = ("forward", "loss", "backward", "update", "eval")
-PHASE_ORDER = {phase: i for i, phase in enumerate(PHASES)}
-KINDS = ("activation", "grad", "param", "buffer", "loss", "optimizer_state")
-KIND_PHRASES = {"activation": "output of module", "grad": "gradient", "param": "parameter after the update",
-                "buffer": "buffer after the update", "loss": "loss", "optimizer_state": "optimizer state"}
+from nanscan.vocabulary import KIND_PHRASES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,9 @@ import math
 import warnings
 from typing import Optional
 
-from nanscan.monitor.incident import PHASES
 from nanscan.monitor.slots import EagerRows
 from nanscan.record import Field
+from nanscan.vocabulary import PHASES
 
 
 class StepLog:

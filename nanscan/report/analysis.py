@@ -19,8 +19,9 @@ import os
 from typing import Optional
 
 from nanscan.report.load import is_bundle, load_bundle_manifest, load_events
+from nanscan.vocabulary import TRAINING_PHASES
 
-PHASES = ("forward", "loss", "backward", "update")
+PHASES = TRAINING_PHASES  # (the step log counts these; eval forwards are not a step's)
 SERIES = ("loss", "grad_norm", "loss_scale", "lr")  # the numbers a step record carries
 
 CRITERIA = {  # in the order they are checked; the first that fires names the step

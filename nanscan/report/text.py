@@ -8,6 +8,7 @@ import math
 from typing import Optional
 
 from nanscan.report.analysis import CRITERIA, _int, _num, _ranges, summarize_run
+from nanscan.vocabulary import KIND_PHRASES
 
 
 def _fmt(value, digits: int = 4) -> str:
@@ -33,8 +34,7 @@ def incident_text(inc: dict) -> str:
     """One sentence for an incident dict (``Incident.to_dict()``), like ``str(Incident)``."""
     s = inc.get("summary") if isinstance(inc.get("summary"), dict) else {}
     kind = inc.get("kind")
-    what = {"activation": "output of module", "grad": "gradient", "param": "parameter after the update",
-            "loss": "loss", "optimizer_state": "optimizer state"}.get(kind, kind or "tensor")
+    what = KIND_PHRASES.get(kind, kind or "tensor") if isinstance(kind, str) or kind is None else str(kind)
     produced = inc.get("produced")
     if produced is True:
         cause = "inputs finite: produced here"
