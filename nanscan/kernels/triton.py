@@ -45,8 +45,9 @@ Known limitations:
   in a device tensor, one entry per chunk naming its tensor), followed by ONE stage-2 launch for
   all tensors: ``groups + 1`` launches plus one (pinned, asynchronous) host-to-device copy of
   the tables, and no host sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
-  the "device" pointers are CPU addresses). During CUDA graph capture (where the pageable table
-  copy is not allowed) ``summarize_many`` falls back to two launches per tensor.
+  the "device" pointers are CPU addresses). During CUDA graph capture ``summarize_many`` falls
+  back to two launches per tensor: a captured copy would re-read this call's host table -- a
+  temporary pinned buffer -- at every replay, long after it was freed or reused.
 * Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS) were
   chosen from register counts and instruction mixes of the kernels compiled ahead of time for
   sm_90 (``benchmarks/triton_isa.py``), not tuned by measurement on a GPU.
@@ -637,9 +638,9 @@ def summarize_many(xs: list) -> torch.Tensor:
 
     On CUDA this is the pointer-table path (``_summarize_many_table``): one stage-1 launch per
     (element kind, alignment) group and one stage-2 launch for all tensors, no host sync. Under
-    ``TRITON_INTERPRET=1``, and during CUDA graph capture (the table is built on the host and
-    copied from pageable memory, which capture forbids), it is a Python loop of two launches per
-    tensor writing rows of the output. An empty list gives a ``[0, 8]`` CPU tensor."""
+    ``TRITON_INTERPRET=1``, and during CUDA graph capture (the table is built on the host per call,
+    in a temporary pinned buffer that a captured copy would re-read at every replay after it was
+    freed), it is a Python loop of two launches per tensor writing rows of the output. An empty list gives a ``[0, 8]`` CPU tensor."""
     op = "nanscan.triton_summarize_many"
     xs = _check_list(xs, op)
     if not xs:
