@@ -259,3 +259,16 @@ def test_readme_example():
     assert [x.shape for x in summaries] == [(2, 3), (2,)] and all(x.is_finite for x in summaries)
     assert nanscan.records([torch.ones(2), torch.ones(3)]).shape == (2, 8)
     assert nanscan.available_backends()[-1] == "reference"
+
+
+@pytest.mark.parametrize("layout", ["short_rows", "expanded", "step_sliced"])
+def test_fp32_sumsq_of_strided_views_is_as_accurate_as_contiguous(layout):
+    """Views walked row by row (rows of 3 elements, stride-0 expansion, steps) sum their squares in
+    blocks like the contiguous path: relative error ~1e-6 over 196K elements, not the 1e-4 of one
+    sequential FP32 sum."""
+    gen = torch.Generator().manual_seed(0)
+    x = {"short_rows": lambda: torch.rand(65536, 8, generator=gen)[:, :3],
+         "expanded": lambda: torch.rand(65536, 1, generator=gen).expand(65536, 3),
+         "step_sliced": lambda: torch.rand(65536 * 3 * 3, generator=gen)[::3]}[layout]()
+    want = x.double().pow(2).sum().item()
+    assert abs(nanscan.summarize(x).sumsq - want) / want < 2e-5
