@@ -369,7 +369,15 @@ void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
   first_item[inputs.size()] = static_cast<int64_t>(work.size());
 
   std::vector<Partial<double>> partials(work.size());
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t lo, int64_t hi) {
+  // Threads only past 4 chunks of elements (256K): many small tensors (a
+  // model's parameters and gradients, summarized by the monitor every step) are a few microseconds
+  // of work, less than waking the pool -- and on a busy machine a descheduled pool thread makes
+  // the whole call wait. (The result does not depend on it: partials merge in a fixed order.)
+  int64_t total = 0;
+  for (const at::Tensor& x : inputs) total += x.numel();
+  const int64_t n_items = static_cast<int64_t>(work.size());
+  const int64_t grain = total <= 4 * kChunk ? n_items + 1 : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const WorkItem& item = work[w];
       scan_any(inputs[item.tensor], geometry[item.tensor], item.begin, item.end, partials[w]);
