@@ -1,15 +1,23 @@
 """GPU-only checks the CPU suite cannot make: CUDA-graph capture, no host sync, mixed devices,
-determinism, and more than 2**31 elements. (Every backend vs reference on CUDA tensors runs in
+determinism, and more than 2**31 elements; for the C++/CUDA single-tensor kernel (one launch, the
+last block combines, a ticket it resets): 1, 2 and many blocks, back-to-back calls and graph
+replays, concurrent streams. (Every backend vs reference on CUDA tensors runs in
 test_summarize.py, parametrized over the backends available here.)"""
 import pytest
 import torch
 
 import nanscan
 from nanscan.kernels import reference
-from tests.helpers import assert_record_matches
+from tests.helpers import FLOAT8, assert_record_matches, cast, layouts, special_values, stable_seed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 GPU_BACKENDS = [b for b in ("cuda", "triton") if b in nanscan.available_backends()]
+CUDA_KERNEL = pytest.mark.skipif("cuda" not in nanscan.available_backends(), reason="built without the CUDA kernels")
+# Element counts for the single-tensor kernel (csrc/cuda/summarize.cu: chunks of 4096 elements while
+# there are at most 2048 of them, larger beyond): 1 chunk (one block, no ticket), 1 full chunk, 2 and
+# 4 chunks (a ticket), and 1025 chunks of 8192 -- more than an H200 holds at once (132 SMs x 4
+# blocks), so blocks loop over chunks before the last one combines.
+BLOCK_SIZES = [1000, 4096, 4097, 3 * 4096 + 5, (1 << 23) + 3]
 
 
 def planted(n, dtype=torch.float32):
@@ -101,3 +109,115 @@ def test_watched_training_step_async_has_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")  # (close() reads the last step: one sync, allowed)
     assert mon.incidents == [] and mon.ledger.applied == 5
+
+
+@CUDA_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, *FLOAT8, torch.float64, torch.int32],
+                         ids=str)
+@pytest.mark.parametrize("kind", ["random", "mixed", "nan_last", "zeros_subnormals", "overflow_sumsq"])
+def test_single_tensor_one_to_many_blocks(dtype, kind):
+    """Clean chunks (assume-finite pass) and chunks with NaN / Inf or an overflowing sum of squares
+    (classifying pass), from one block to blocks that loop over chunks; bitwise equal run to run."""
+    gen = torch.Generator().manual_seed(stable_seed(str(dtype), kind))
+    for n in BLOCK_SIZES:
+        base = cast(special_values(kind, n + 1, gen), dtype).to("cuda")
+        for x in (base[:n], base[1:]):  # 16-byte aligned, and one element off (scalar head and tail)
+            got = nanscan.record(x, backend="cuda")
+            what = f"cuda n={n} offset={x.storage_offset()}"
+            assert_record_matches(got, reference.summarize(x), x, what)
+            assert torch.equal(nanscan.record(x, backend="cuda"), got), what
+
+
+@CUDA_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["random", "mixed", "nan_last"])
+def test_layouts_with_many_blocks(dtype, kind):
+    """Transposed / channels_last (linear reads, logical indices) and strided walks over ~1000 chunks."""
+    gen = torch.Generator().manual_seed(stable_seed(str(dtype), kind, "layouts"))
+    base = cast(special_values(kind, 24 * 350_000, gen), dtype).to("cuda")
+    for name, view in layouts(base):
+        got = nanscan.record(view, backend="cuda")
+        assert_record_matches(got, reference.summarize(view), view, f"cuda {name}")
+        assert torch.equal(nanscan.record(view, backend="cuda"), got), name
+
+
+@CUDA_KERNEL
+def test_ticket_resets_back_to_back_and_in_graph_replays():
+    """Each launch's last block puts its ticket back to 0: calls queued back to back without a sync
+    all finish their rows (a ticket left non-zero would leave rows unwritten), and so do several
+    replays of a captured graph, bitwise equal to eager calls on the same contents."""
+    xs = [planted(n) for n in (4097, 1 << 20, (1 << 23) + 3)]
+    eager = [nanscan.record(x, backend="cuda") for x in xs]
+    queued = [nanscan.record(x, backend="cuda") for _ in range(5) for x in xs]
+    torch.cuda.synchronize()
+    for x, row in zip(xs, eager):
+        assert_record_matches(row, reference.summarize(x), x, f"eager n={x.numel()}")
+    for i, row in enumerate(queued):
+        assert torch.equal(row, eager[i % len(xs)]), f"queued call {i}"
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up outside the capture (kernel loading, occupancy query)
+        for x in xs:
+            nanscan.record(x, backend="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rows = [nanscan.record(x, backend="cuda") for x in xs]
+    for replay in range(4):
+        if replay == 2:  # new contents in the same buffers: the replays must read them
+            for x in xs:
+                x.copy_(planted(x.numel()))
+            eager = [nanscan.record(x, backend="cuda") for x in xs]
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, row, want in zip(xs, rows, eager):
+            assert torch.equal(row, want), f"replay {replay} n={x.numel()}"
+    for x, row in zip(xs, rows):
+        assert_record_matches(row, reference.summarize(x), x, f"replayed n={x.numel()}")
+
+
+@CUDA_KERNEL
+def test_two_streams_in_parallel():
+    """Calls on two streams at once (and a graph replayed on one of them) never share a ticket or a
+    workspace: every row is right and equal to the others of its tensor."""
+    a, b = planted(1 << 22), planted((1 << 22) + 5, torch.bfloat16)
+    want_a, want_b = reference.summarize(a), reference.summarize(b)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for s in (s1, s2):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up (the stream's ticket is made and zeroed once)
+            nanscan.record(a, backend="cuda"), nanscan.record(b, backend="cuda")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = nanscan.record(b, backend="cuda")
+    rows_a, rows_b = [], []
+    for i in range(20):
+        with torch.cuda.stream(s1):
+            rows_a.append(nanscan.record(a, backend="cuda"))
+            if i % 4 == 0:
+                graph.replay()
+        with torch.cuda.stream(s2):
+            rows_b.append(nanscan.record(b, backend="cuda"))
+    torch.cuda.synchronize()
+    assert_record_matches(rows_a[0], want_a, a, "stream 1")
+    assert_record_matches(rows_b[0], want_b, b, "stream 2")
+    assert all(torch.equal(row, rows_a[0]) for row in rows_a)
+    assert all(torch.equal(row, rows_b[0]) for row in rows_b) and torch.equal(replayed, rows_b[0])
+
+
+@CUDA_KERNEL
+def test_single_tensor_is_one_launch():
+    """No combine launch: the last block of the one kernel writes the record (the stream's ticket
+    exists after the first call, so no memset either)."""
+    x = planted(1 << 22)
+    nanscan.record(x, backend="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        nanscan.record(x, backend="cuda")
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not on_gpu:
+        pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
+    assert len(on_gpu) == 1 and "summarize_kernel" in on_gpu[0], on_gpu

@@ -1,17 +1,40 @@
 // nanscan CUDA backend: the CUDA-key kernels of nanscan::summarize and nanscan::summarize_many.
 //
-// Algorithm: one read of every element, no host sync, no atomics, deterministic.
-//  1. Scan. A tensor is cut into chunks of `chunk` elements in walk order (a power of two in
-//     [4096, 65536] picked from numel, so small tensors still spread over the SMs). One block of 256
-//     threads reduces one chunk: each thread folds elements into registers (uint32 counts, min/max
-//     in the compute type, sumsq in the accumulation type, min logical index of a non-finite), the
-//     block merges the 256 thread results with a fixed shuffle + shared-memory tree, and thread 0
-//     writes one Partial (record.h) to a workspace from the caching allocator.
-//     Linear memory is read with 16-byte vector loads, 4 in flight per thread; a scalar head/tail
-//     covers a pointer that is not 16-byte aligned and ragged chunk ends.
-//  2. Combine. One block per tensor merges that tensor's partials in a fixed order (thread t takes
-//     partials t, t+256, ...; then the same fixed tree) and writes the float64 [8] row. The chunking
-//     depends only on numel, so sumsq is bitwise reproducible run to run.
+// Algorithm: one read of every element (two for a chunk holding a NaN / Inf), no host sync, no
+// float atomics, deterministic.
+//  1. Chunks. A tensor is cut into chunks of `chunk` elements in walk order (a power of two in
+//     [4096, 65536] picked from numel alone, so small tensors still spread over the SMs). One block
+//     of 256 threads reduces one chunk to one Partial (record.h) in a workspace from the caching
+//     allocator. Each thread of the block takes the same elements of the chunk whichever block runs
+//     it, then a fixed shuffle + shared-memory tree merges the 256 thread results.
+//  2. Assume, then prove (as the CPU kernel's VecState). The first pass over a chunk keeps only the
+//     zero count, min / max and the sum of squares -- no classification, no index --, reading linear
+//     memory with 16-byte loads, 4 in flight per thread (a scalar head / tail covers a pointer that
+//     is not 16-byte aligned and ragged chunk ends). fp16 / bf16 (and float8 e4m3fn / e5m2, converted
+//     exactly to fp16 pairs) keep min, max and the zero count two lanes at a time (HMNMX2, HSET2 +
+//     HADD2). A NaN or Inf makes the thread's sum of squares non-finite (squares are >= 0, so it never
+//     comes back), so `__syncthreads_or(!isfinite(ss))` proves the chunk clean; otherwise (or when
+//     the sum of squares overflowed) the chunk is read again by a pass that classifies every element
+//     and takes the minimum LOGICAL index of the non-finite ones. Both passes give a thread the same
+//     elements in the same order (as the one-pass kernel before them did), so whichever pass ran,
+//     the sums are formed the same way.
+//  3. One launch (summarize). The grid is min(chunks, SMs x resident blocks per SM) (occupancy
+//     query, cached per device and kernel); block b reduces chunks b, b + grid, ... Each chunk's
+//     partial goes to its own slot, so the grid size (and so the GPU model) changes only which block
+//     computes a chunk, never a result. The last block to finish (ticket, see last_block) merges the
+//     partials in CHUNK order with the same fixed tree and writes the float64 [8] row: the record is
+//     a function of the tensor's contents, shape, strides and address alignment (the vector split),
+//     bitwise, never of the GPU model or of the order in which blocks finish.
+//     Tickets: a grid of one block needs none. Otherwise, outside stream capture, one ticket per
+//     (device, stream), allocated and zeroed once on that stream, kept for the life of the process:
+//     kernels on one stream run one after another, so a ticket is never used by two kernels at once,
+//     and each kernel's last block puts it back to 0 for the next one; calls on other streams use
+//     other tickets. While the stream is being captured into a CUDA graph, the ticket is allocated
+//     with the workspace (the graph's private pool keeps it for the graph's life) and zeroed by a
+//     captured cudaMemsetAsync, so a replay -- on any stream, beside eager calls or other graphs --
+//     never shares a ticket; the kernel's reset is redundant there. (A ticket per call would be as
+//     safe, but zeroing it is a second stream operation on every eager call, which is what one
+//     launch is meant to save.)
 // Walk order. Contiguous tensors are walked in memory order = logical order. Other tensors are
 // walked in MEMORY order too: size-1 dims dropped, dims sorted by stride (stride-0 expanded dims
 // outermost, so a warp still reads consecutive addresses), neighbours merged where both the memory
@@ -19,27 +42,55 @@
 // memory linearly and takes the vector path; anything else (steps, expand, overlap) computes each
 // element's offset from the coalesced sizes/strides. first_nonfinite_index is the MIN over the
 // LOGICAL row-major indices of non-finite elements, so it depends on neither the walk nor the
-// reduction order; for permuted walks a chunk that met a NaN/Inf re-reads itself once to compute
-// logical indices (rescan_first), keeping index arithmetic out of the hot loop.
-// summarize_many. Contiguous tensors of one dtype run as ONE scan launch whose blocks find their
-// tensor by binary search over a device table (data pointer, numel, chunk prefix, output row) that
-// is filled in pinned host memory and copied non-blocking; then one combine launch per dtype.
-// Non-contiguous tensors take the single-tensor path into their row. While the stream is being
-// captured into a CUDA graph every tensor takes the single-tensor path, because a graph would
-// re-read a pinned staging buffer that the host allocator recycles after the call.
+// reduction order; only the classifying pass computes logical indices, and only for non-finite
+// elements.
+// summarize_many. Contiguous tensors of one dtype run as ONE scan launch whose blocks (one per
+// chunk) find their tensor by binary search over a device table (data pointer, numel, chunk
+// prefix, output row) that is filled in pinned host memory and copied non-blocking; then one
+// combine launch per dtype. It chunks the dtype group as a whole. Non-contiguous tensors take the
+// single-tensor path into their row. While the stream is being captured into a CUDA graph every
+// tensor takes the single-tensor path, because a graph would re-read a pinned staging buffer that
+// the host allocator recycles after the call.
+//
+// Measured statically (no GPU has run this yet): sm_90, nvcc 13.0, the build's own nvcc command line
+// (see the setup.py build log) plus `-Xptxas -v`, and `cuobjdump -sass` on the object.
+// Registers, summarize_kernel contiguous / dense (permuted) / strided, __launch_bounds__(256, 4):
+//   bf16 56 / 64 / 64, fp16 56 / 64 / 64, fp32 55 / 64 / 64, fp64 63 / 64 / 64, float8 e4m3fn
+//   58 / 64 / 64, e5m2 62 / 64 / 64, fnuz 56 / 64 / 64, integers 56 - 64; scan_many_kernel bf16 52,
+//   fp32 52; combine_kernel 48. Before (scan_one_kernel, __launch_bounds__(256)): bf16 71 / 73 / 62,
+//   fp16 57 / 59 / 62, fp32 48 / 56 / 62, float8 106 - 112 (contiguous); scan_many_kernel bf16 80.
+//   No spill in any element loop; the dense / strided kernels store a few words per chunk (values
+//   of the chunk loop, arguments of the not-inlined classifying pass).
+// Hot loop (contiguous, a full round of 4 x LDG.128 per thread), SASS instructions per element:
+//   bf16  3.75: FFMA 1, bf16 -> fp32 1 (IMAD.U32 / LOP3), VHMNMX.BF16_V2 0.5 (three-input: min or
+//         max of two pairs at once), HSET2 0.5 + HADD2 / HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
+//   fp16  3.75: the same with HADD2.F32 for the conversions;
+//   float8 e4m3fn / e5m2  4.4: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
+//   fp32  6.5: FFMA 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;  fp64 21.4.
+//   Before: about 10 for bf16 / fp32 on the all-finite path (issue 12's desk review), which tested
+//   every element for finiteness and converted bf16 / fp16 to fp32 for every min / max.
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAMacros.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../inputs.h"
@@ -52,8 +103,17 @@ constexpr int kBlock = 256;
 constexpr int kWarps = kBlock / 32;
 constexpr int kUnroll = 4;          // loads in flight per thread
 constexpr int kVecBytes = 16;       // one LDG.128 per vector
-constexpr int64_t kMinChunk = 4096, kMaxChunk = 65536, kTargetBlocks = 2048;
+constexpr int64_t kMinChunk = 4096, kMaxChunk = 65536, kTargetChunks = 2048;
 constexpr int kMaxDims = 25;        // after coalescing; beyond it we fall back to a contiguous copy
+// 4 resident blocks of 256 threads per SM cap a kernel at 65536 / 1024 = 64 registers per thread.
+constexpr int kMinBlocksPerSM = 4;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// In a chunk, offsets fit int and a thread's counts fit uint32. A thread takes at most
+// chunk / (kVec * kBlock) vectors of a chunk (all powers of two), so a packed lane (two per 32 bits)
+// counts at most kMaxChunk / (2 * kBlock) = 128 zeros: exact in fp16 and bf16 (integers <= 256).
+static_assert(kMaxChunk <= (int64_t{1} << 30), "in-chunk offsets are int");
+static_assert(kMaxChunk / (2 * kBlock) <= 256, "packed zero counts must stay exact in bf16");
 
 // Per dtype: V, the type elements are compared in (exact for every value of the dtype); S, the
 // per-thread sum of squares; A, the sumsq accumulator of the record contract (fp32 for <=32-bit
@@ -91,105 +151,218 @@ template <typename T> __device__ __forceinline__ bool finite(T x) {
   else return true;
 }
 
-// One thread's running result. Per-thread counts fit uint32 since a chunk is <= 65536 elements.
-template <typename T> struct Acc {
+// min / max that drop a NaN operand (fmin / fmax) for floats; only finite values reach them in a
+// record (a chunk whose first pass met a NaN is classified again).
+template <typename V> __device__ __forceinline__ V vmin(V a, V b) {
+  if constexpr (std::is_floating_point_v<V>) return fmin(a, b);
+  else return b < a ? b : a;
+}
+template <typename V> __device__ __forceinline__ V vmax(V a, V b) {
+  if constexpr (std::is_floating_point_v<V>) return fmax(a, b);
+  else return b > a ? b : a;
+}
+
+// The assume-finite state of one thread (first pass): zero count, min, max, sum of squares. For
+// integer dtypes it is the whole record.
+template <typename T> struct Fast {
   using V = typename Traits<T>::V;
   using S = typename Traits<T>::S;
   using A = typename Traits<T>::A;
-  uint32_t nan = 0, posinf = 0, neginf = 0, zero = 0;
+  uint32_t zero = 0;
   V mn = std::numeric_limits<V>::has_infinity ? std::numeric_limits<V>::infinity() : std::numeric_limits<V>::max();
   V mx = std::numeric_limits<V>::has_infinity ? -std::numeric_limits<V>::infinity() : std::numeric_limits<V>::lowest();
   S ss = 0;
-  int64_t first = kNoIndex;
 
-  // The caller has checked finite(raw): no branch per element on the hot path.
-  __device__ __forceinline__ void add_finite(T raw) {
+  __device__ __forceinline__ void add(T raw) {
     const V v = to_val(raw);
     zero += v == V(0);
-    if constexpr (Traits<T>::kFloat) {
-      mn = fmin(mn, v);
-      mx = fmax(mx, v);
-      ss += v * v;  // squared in V: an fp32 input of 1e20 gives inf, as the record contract says
-    } else {
-      mn = v < mn ? v : mn;
-      mx = v > mx ? v : mx;
-      if constexpr (std::is_integral_v<S>) ss += v * v;  // <= 2**30: exact in int32
-      else ss += S(v) * S(v);
-    }
+    mn = vmin(mn, v);
+    mx = vmax(mx, v);
+    if constexpr (Traits<T>::kFloat) ss += v * v;  // squared in V: 1e20 in fp32 gives inf, as the record contract says
+    else if constexpr (std::is_integral_v<S>) ss += v * v;  // <= 2**30: exact in int32
+    else ss += S(v) * S(v);
   }
 
-  // w is the walk index: the logical index for contiguous walks; for the others it only flags the
-  // chunk for the index pass (see rescan_first).
-  __device__ __forceinline__ void add(T raw, int64_t w) {
-    if (finite(raw)) return add_finite(raw);
-    const V v = to_val(raw);
-    nan += v != v;
-    posinf += v > V(0);
-    neginf += v < V(0);
-    first = w < first ? w : first;
+  // True when every element added was finite (floats: a NaN / Inf square is NaN / Inf and a sum of
+  // non-negative terms never gets back to finite); false also when the sum of squares overflowed.
+  __device__ __forceinline__ bool clean() const {
+    if constexpr (Traits<T>::kFloat) return isfinite(ss);
+    else return true;
+  }
+
+  __device__ __forceinline__ void merge(const Fast& o) {
+    zero += o.zero;
+    mn = vmin(mn, o.mn);
+    mx = vmax(mx, o.mx);
+    ss += o.ss;
   }
 
   __device__ __forceinline__ Partial<A> partial() const {
     Partial<A> p;
-    p.nan = nan, p.posinf = posinf, p.neginf = neginf, p.zero = zero;
+    p.zero = zero;
     if (mn <= mx) p.min = static_cast<double>(mn), p.max = static_cast<double>(mx);  // else +-inf
     p.sumsq = static_cast<A>(ss);
+    return p;
+  }
+};
+
+template <typename T> __device__ __forceinline__ Fast<T> shfl_down(const Fast<T>& f, int o) {
+  Fast<T> q;
+  q.zero = __shfl_down_sync(kFullMask, f.zero, o);
+  q.mn = __shfl_down_sync(kFullMask, f.mn, o);
+  q.mx = __shfl_down_sync(kFullMask, f.mx, o);
+  q.ss = __shfl_down_sync(kFullMask, f.ss, o);
+  return q;
+}
+
+// The classifying state of one thread (second pass of a chunk that was not proved clean).
+template <typename T> struct Acc {
+  using A = typename Traits<T>::A;
+  Fast<T> fin;  // the finite elements
+  uint32_t nan = 0, posinf = 0, neginf = 0;
+  int64_t first = kNoIndex;
+
+  // w is the walk index; index(w) is its logical row-major index, computed for non-finite elements only.
+  template <class Index>
+  __device__ __forceinline__ void add(T raw, int64_t w, const Index& index) {
+    if (finite(raw)) return fin.add(raw);
+    const auto v = to_val(raw);
+    nan += v != v;
+    posinf += v > decltype(v)(0);
+    neginf += v < decltype(v)(0);
+    const int64_t l = index(w);
+    first = l < first ? l : first;
+  }
+
+  __device__ __forceinline__ Partial<A> partial() const {
+    Partial<A> p = fin.partial();
+    p.nan = nan, p.posinf = posinf, p.neginf = neginf;
     p.first = first;
     return p;
   }
 };
 
-// Fixed-shape tree over a warp, then over the warps: the merge order never depends on timing.
-template <typename A> __device__ __forceinline__ void warp_merge(Partial<A>& p) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    Partial<A> q;
-    q.nan = __shfl_down_sync(0xffffffffu, p.nan, o);
-    q.posinf = __shfl_down_sync(0xffffffffu, p.posinf, o);
-    q.neginf = __shfl_down_sync(0xffffffffu, p.neginf, o);
-    q.zero = __shfl_down_sync(0xffffffffu, p.zero, o);
-    q.min = __shfl_down_sync(0xffffffffu, p.min, o);
-    q.max = __shfl_down_sync(0xffffffffu, p.max, o);
-    q.sumsq = __shfl_down_sync(0xffffffffu, p.sumsq, o);
-    q.first = __shfl_down_sync(0xffffffffu, p.first, o);
-    p.merge(q);
-  }
+template <typename A> __device__ __forceinline__ Partial<A> shfl_down(const Partial<A>& p, int o) {
+  Partial<A> q;
+  q.nan = __shfl_down_sync(kFullMask, p.nan, o);
+  q.posinf = __shfl_down_sync(kFullMask, p.posinf, o);
+  q.neginf = __shfl_down_sync(kFullMask, p.neginf, o);
+  q.zero = __shfl_down_sync(kFullMask, p.zero, o);
+  q.min = __shfl_down_sync(kFullMask, p.min, o);
+  q.max = __shfl_down_sync(kFullMask, p.max, o);
+  q.sumsq = __shfl_down_sync(kFullMask, p.sumsq, o);
+  q.first = __shfl_down_sync(kFullMask, p.first, o);
+  return q;
 }
 
-// Result valid in thread 0. Called once per kernel, so the shared buffer is never reused.
-template <typename A> __device__ __forceinline__ Partial<A> block_merge(Partial<A> p) {
-  // Raw storage: __shared__ variables cannot have Partial's default member initializers.
-  __shared__ __align__(16) unsigned char buf[kWarps * sizeof(Partial<A>)];
-  auto* s = reinterpret_cast<Partial<A>*>(buf);
+// Fixed-shape tree over a warp, then over the warps: the merge order never depends on timing.
+template <typename R> __device__ __forceinline__ void warp_reduce(R& r) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) r.merge(shfl_down(r, o));
+}
+
+// Result valid in thread 0; every thread of the block must call it. R is Fast<T> or Partial<A>.
+template <typename R> __device__ __forceinline__ R block_reduce(R r) {
+  // Raw storage: __shared__ variables cannot have default member initializers.
+  __shared__ __align__(16) unsigned char buf[kWarps * sizeof(R)];
+  auto* s = reinterpret_cast<R*>(buf);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  warp_merge(p);
-  if (lane == 0) s[warp] = p;
+  warp_reduce(r);
+  __syncthreads();  // warp 0 has finished reading buf in this block's previous call (reused per chunk)
+  if (lane == 0) s[warp] = r;
   __syncthreads();
   if (warp == 0) {
-    p = lane < kWarps ? s[lane] : Partial<A>();
-    warp_merge(p);
+    r = lane < kWarps ? s[lane] : R();
+    warp_reduce(r);
   }
+  return r;
+}
+
+// ---------------------------------------------------------------------------- packed 16-bit lanes
+
+template <typename P> __device__ __forceinline__ P splat(float x);
+template <> __device__ __forceinline__ __half2 splat<__half2>(float x) { return __float2half2_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat162 splat<__nv_bfloat162>(float x) { return __float2bfloat162_rn(x); }
+
+template <typename P> __device__ __forceinline__ P bits_as(uint32_t w) {
+  P p;
+  memcpy(&p, &w, sizeof(p));
   return p;
 }
 
-struct Identity {
-  __device__ __forceinline__ int64_t operator()(int64_t w) const { return w; }
+// The lanes as FP32 (exact). bf16 is the top half of an fp32: one shift / one AND per lane, where
+// __low2float / __high2float take a PRMT more for the high lane.
+__device__ __forceinline__ float low_float(__half2 x) { return __low2float(x); }
+__device__ __forceinline__ float high_float(__half2 x) { return __high2float(x); }
+__device__ __forceinline__ float low_float(__nv_bfloat162 x) {
+  uint32_t w;
+  memcpy(&w, &x, sizeof(w));
+  return __uint_as_float(w << 16);
+}
+__device__ __forceinline__ float high_float(__nv_bfloat162 x) {
+  uint32_t w;
+  memcpy(&w, &x, sizeof(w));
+  return __uint_as_float(w & 0xffff0000u);
+}
+
+// Two lanes per instruction for the first pass: min and max (HMNMX2: exact, subnormals kept, a NaN
+// lane does not matter since such a chunk is classified again), the zero count as packed 1.0s summed
+// in the lanes' own format (HSET2 + HADD2: at most 128 per lane per chunk, exact), and the two squares
+// in FP32 (two FFMA, in element order: the same sum as one element at a time).
+template <typename P> struct Lanes {
+  P mn, mx, zeros;
+  __device__ __forceinline__ Lanes()
+      : mn(splat<P>(std::numeric_limits<float>::infinity())),
+        mx(splat<P>(-std::numeric_limits<float>::infinity())),
+        zeros(splat<P>(0.f)) {}
+
+  __device__ __forceinline__ void add(P x, float& ss) {
+    mn = __hmin2(mn, x);
+    mx = __hmax2(mx, x);
+    zeros = __hadd2(zeros, __heq2(x, splat<P>(0.f)));
+    const float lo = low_float(x), hi = high_float(x);
+    ss = fmaf(lo, lo, ss);
+    ss = fmaf(hi, hi, ss);
+  }
+
+  template <typename T> __device__ __forceinline__ void fold_into(Fast<T>& f) const {
+    f.mn = fminf(f.mn, fminf(__low2float(mn), __high2float(mn)));
+    f.mx = fmaxf(f.mx, fmaxf(__low2float(mx), __high2float(mx)));
+    f.zero += static_cast<uint32_t>(__low2float(zeros)) + static_cast<uint32_t>(__high2float(zeros));
+  }
 };
 
-// Elements [begin, end) of the walk, element w at p[off(w)]; kUnroll loads issued before use.
-template <typename T, class Off>
-__device__ __forceinline__ void scan_elems(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
-                                           int64_t end, const Off& off) {
-  for (int64_t i = begin + threadIdx.x; i < end; i += int64_t(kBlock) * kUnroll) {
-    T v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < end) v[u] = p[off(i + u * kBlock)];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < end) acc.add(v[u], i + u * kBlock);
+// Which dtypes take packed lanes, and the k-th lane pair of a 16-byte vector, in element order.
+template <typename T> struct Packing { static constexpr bool kOn = false; };
+template <> struct Packing<c10::Half> {
+  static constexpr bool kOn = true;
+  static constexpr int kPairs = 4;
+  using P = __half2;
+  static __device__ __forceinline__ P pair(const uint32_t (&w)[4], int k) { return bits_as<P>(w[k]); }
+};
+template <> struct Packing<c10::BFloat16> {
+  static constexpr bool kOn = true;
+  static constexpr int kPairs = 4;
+  using P = __nv_bfloat162;
+  static __device__ __forceinline__ P pair(const uint32_t (&w)[4], int k) { return bits_as<P>(w[k]); }
+};
+// float8 e4m3fn / e5m2: every value is exact in fp16 (one cvt per pair on sm_89+).
+template <__nv_fp8_interpretation_t kFmt> struct PackingFp8 {
+  static constexpr bool kOn = true;
+  static constexpr int kPairs = 8;
+  using P = __half2;
+  static __device__ __forceinline__ P pair(const uint32_t (&w)[4], int k) {
+    const auto two = static_cast<__nv_fp8x2_storage_t>(k % 2 ? w[k / 2] >> 16 : w[k / 2] & 0xffffu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, kFmt);
+    P p;
+    memcpy(&p, &h, sizeof(p));
+    return p;
   }
-}
+};
+template <> struct Packing<c10::Float8_e4m3fn> : PackingFp8<__NV_E4M3> {};
+template <> struct Packing<c10::Float8_e5m2> : PackingFp8<__NV_E5M2> {};
+
+// ---------------------------------------------------------------------------------- linear reads
 
 template <typename T> struct alignas(kVecBytes) Vec { T v[kVecBytes / sizeof(T)]; };
 
@@ -202,46 +375,87 @@ template <typename T> __device__ __forceinline__ Vec<T> load_vec(const Vec<T>* p
   return v;
 }
 
-// Elements [begin, end) of linear memory p: a scalar head up to the first 16-byte boundary, vector
-// body, scalar tail. A pointer that is not even element aligned (from_blob) stays scalar.
+// [vbeg, vend): the 16-byte aligned middle of [begin, end) of linear memory p; the scalar head is
+// [begin, vbeg), the tail [vend, end), each shorter than one vector. A pointer that is not even
+// element aligned (from_blob) gets no middle: everything is head.
+struct Split { int64_t vbeg, vend; };
 template <typename T>
-__device__ __forceinline__ void scan_linear(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
-                                            int64_t end) {
+__device__ __forceinline__ Split split_linear(const T* p, int64_t begin, int64_t end) {
   constexpr int64_t kVec = kVecBytes / sizeof(T);
   const auto addr = reinterpret_cast<uintptr_t>(p);
-  int64_t vbeg = end, vend = end;
-  if (addr % sizeof(T) == 0) {
-    const int64_t mis = static_cast<int64_t>(addr % kVecBytes / sizeof(T));  // p - mis is aligned
-    vbeg = (begin + mis + kVec - 1) / kVec * kVec - mis;
-    vend = (end + mis) / kVec * kVec - mis;
-    if (vbeg >= vend) vbeg = vend = end;
-  }
-  scan_elems(acc, p, begin, vbeg, Identity{});
-  const Vec<T>* __restrict__ vp = reinterpret_cast<const Vec<T>*>(p + vbeg);
-  const int64_t nv = (vend - vbeg) / kVec;
-  for (int64_t i = threadIdx.x; i < nv; i += int64_t(kBlock) * kUnroll) {
-    Vec<T> v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < nv) v[u] = load_vec(vp + i + u * kBlock);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i + u * kBlock < nv) {
-        const int64_t w = vbeg + (i + u * kBlock) * kVec;
-        bool all = true;  // one branch per vector: NaN/Inf are rare
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) all &= finite(v[u].v[e]);
-        if (all) {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc.add_finite(v[u].v[e]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc.add(v[u].v[e], w + e);
-        }
-      }
-  }
-  scan_elems(acc, p, vend, end, Identity{});
+  if (addr % sizeof(T) != 0) return {end, end};
+  const int64_t mis = static_cast<int64_t>(addr % kVecBytes / sizeof(T));  // p - mis is aligned
+  const int64_t vbeg = (begin + mis + kVec - 1) / kVec * kVec - mis;
+  const int64_t vend = (end + mis) / kVec * kVec - mis;
+  return vbeg < vend ? Split{vbeg, vend} : Split{end, end};
 }
+
+// First pass over elements [begin, end) of linear memory p (at most one chunk). Thread t takes
+// vectors t, t + 256, t + 512, ... in that order: full rounds of kUnroll loads without bounds checks,
+// then at most kUnroll - 1 single vectors.
+template <typename T>
+__device__ __forceinline__ void fast_linear(Fast<T>& f, const T* __restrict__ p, int64_t begin, int64_t end) {
+  constexpr int kVec = kVecBytes / sizeof(T);
+  const Split s = split_linear(p, begin, end);
+  for (int64_t w = begin + threadIdx.x; w < s.vbeg; w += kBlock) f.add(p[w]);
+  const uint4* __restrict__ vp = reinterpret_cast<const uint4*>(p + s.vbeg);
+  const int nv = static_cast<int>((s.vend - s.vbeg) / kVec);
+  int i = threadIdx.x;
+  if constexpr (Packing<T>::kOn) {
+    Lanes<typename Packing<T>::P> lanes;
+    const auto add = [&](const uint4& r) {
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int k = 0; k < Packing<T>::kPairs; ++k) lanes.add(Packing<T>::pair(w, k), f.ss);
+    };
+    for (; i + (kUnroll - 1) * kBlock < nv; i += kUnroll * kBlock) {
+      uint4 r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = __ldg(vp + i + u * kBlock);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add(r[u]);
+    }
+    for (; i < nv; i += kBlock) add(__ldg(vp + i));
+    lanes.fold_into(f);
+  } else {
+    const Vec<T>* __restrict__ vv = reinterpret_cast<const Vec<T>*>(vp);
+    const auto add = [&](const Vec<T>& v) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) f.add(v.v[e]);
+    };
+    for (; i + (kUnroll - 1) * kBlock < nv; i += kUnroll * kBlock) {
+      Vec<T> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = load_vec(vv + i + u * kBlock);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add(v[u]);
+    }
+    for (; i < nv; i += kBlock) add(load_vec(vv + i));
+  }
+  for (int64_t w = s.vend + threadIdx.x; w < end; w += kBlock) f.add(p[w]);
+}
+
+// Classifying pass over linear memory: the same head / vector / tail split and the same element to
+// thread assignment as fast_linear (one vector in flight: this pass runs only for chunks that hold a
+// NaN / Inf or overflow, and it keeps the kernel's register count down).
+template <typename T, class Index>
+__device__ __forceinline__ void classify_linear(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
+                                                int64_t end, const Index& index) {
+  constexpr int kVec = kVecBytes / sizeof(T);
+  const Split s = split_linear(p, begin, end);
+  for (int64_t w = begin + threadIdx.x; w < s.vbeg; w += kBlock) acc.add(p[w], w, index);
+  const Vec<T>* __restrict__ vp = reinterpret_cast<const Vec<T>*>(p + s.vbeg);
+  const int nv = static_cast<int>((s.vend - s.vbeg) / kVec);
+  for (int i = threadIdx.x; i < nv; i += kBlock) {
+    const Vec<T> v = load_vec(vp + i);
+    const int64_t w = s.vbeg + int64_t(i) * kVec;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc.add(v.v[e], w + e, index);
+  }
+  for (int64_t w = s.vend + threadIdx.x; w < end; w += kBlock) acc.add(p[w], w, index);
+}
+
+// ------------------------------------------------------------------------------- strided walks
 
 // Coalesced walk of a non-contiguous tensor, innermost dim first.
 struct Geometry {
@@ -266,59 +480,154 @@ __host__ __device__ __forceinline__ int64_t walk_to(const Geometry& g, int64_t w
 
 enum Mode { kContig, kDense, kStrided };  // memory == logical / memory == walk / neither
 
-// Index pass for a non-contiguous chunk that holds a non-finite element: the main pass only knew
-// walk indices, whose minimum need not be the minimum logical index. Re-reads the chunk once and
-// takes the minimum logical index; this keeps index arithmetic out of the hot loop, and only
-// chunks that contain NaN/Inf (the failure case) pay for it.
-template <typename T, class Off>
-__device__ __noinline__ int64_t rescan_first(const T* __restrict__ p, int64_t begin, int64_t end,
-                                             const Geometry& g, const Off& off) {
-  int64_t first = kNoIndex;
-  for (int64_t w = begin + threadIdx.x; w < end; w += kBlock) {
-    if (!finite(p[off(w)])) {
-      const int64_t l = walk_to<uint64_t>(g, w, g.lstride);
-      first = l < first ? l : first;
-    }
+struct Identity {
+  __device__ __forceinline__ int64_t operator()(int64_t w) const { return w; }
+};
+template <typename I> struct MemOffset {  // walk index -> element offset in memory
+  const Geometry* g;
+  __device__ __forceinline__ int64_t operator()(int64_t w) const { return walk_to<I>(*g, w, g->mstride); }
+};
+// Walk index -> logical row-major index, for non-finite elements only (the classifying pass). Not
+// inlined: the 64-bit divisions would otherwise load registers onto that pass and so the kernel.
+__device__ __noinline__ int64_t logical_index(const Geometry* g, int64_t w) {
+  return walk_to<uint64_t>(*g, w, g->lstride);
+}
+struct LogicalIndex {
+  const Geometry* g;
+  __device__ __forceinline__ int64_t operator()(int64_t w) const { return logical_index(g, w); }
+};
+
+// Elements [begin, end) of the walk, element w at p[off(w)]; kUnroll loads issued before use.
+template <typename T, class Off, class Visit>
+__device__ __forceinline__ void scan_elems(const T* __restrict__ p, int64_t begin, int64_t end,
+                                           const Off& off, const Visit& visit) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += int64_t(kBlock) * kUnroll) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * kBlock < end) v[u] = p[off(i + u * kBlock)];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i + u * kBlock < end) visit(v[u], i + u * kBlock);
   }
-  return first;
 }
 
+// ------------------------------------------------------------------------------------- a chunk
+
+// Second pass over a chunk whose first pass was not proved clean: classify every element, the
+// minimum logical index of the non-finite ones, *dst from thread 0. Not inlined: its registers
+// (64-bit index arithmetic) stay out of the first pass, and only such chunks pay for the call.
 template <typename T, Mode M>
-__global__ void __launch_bounds__(kBlock)
-    scan_one_kernel(const T* __restrict__ p, const Geometry g, int64_t chunk,
-                    Partial<typename Traits<T>::A>* __restrict__ ws) {
-  const int64_t begin = int64_t(blockIdx.x) * chunk, end = min(begin + chunk, g.numel);
+__device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
+                                            int64_t end, Partial<typename Traits<T>::A>* dst) {
   Acc<T> acc;
   if constexpr (M == kContig) {
-    scan_linear(acc, p, begin, end);
+    classify_linear(acc, p, begin, end, Identity{});
+  } else if constexpr (M == kDense) {
+    classify_linear(acc, p, begin, end, LogicalIndex{g});
   } else {
-    // Shared copy: the dims are indexed dynamically, which kernel parameters serve poorly.
-    __shared__ Geometry sg;
+    const auto add = [&](T raw, int64_t w) { acc.add(raw, w, LogicalIndex{g}); };
+    if (g->numel <= int64_t(UINT32_MAX)) scan_elems(p, begin, end, MemOffset<uint32_t>{g}, add);
+    else scan_elems(p, begin, end, MemOffset<uint64_t>{g}, add);
+  }
+  const Partial<typename Traits<T>::A> r = block_reduce(acc.partial());
+  if (threadIdx.x == 0) *dst = r;
+}
+
+// Walk elements [begin, end) of p -> *dst, written by thread 0. g (shared memory) is the walk of
+// kDense / kStrided tensors; unused (may be null) for kContig.
+template <typename T, Mode M>
+__device__ __forceinline__ void scan_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
+                                           int64_t end, Partial<typename Traits<T>::A>* dst) {
+  Fast<T> f;
+  if constexpr (M == kStrided) {
+    const auto add = [&](T raw, int64_t) { f.add(raw); };
+    if (g->numel <= int64_t(UINT32_MAX)) scan_elems(p, begin, end, MemOffset<uint32_t>{g}, add);
+    else scan_elems(p, begin, end, MemOffset<uint64_t>{g}, add);
+  } else {
+    fast_linear(f, p, begin, end);
+  }
+  if constexpr (Traits<T>::kFloat) {
+    if (__syncthreads_or(!f.clean())) {  // block-uniform; rare: a NaN / Inf, or a sum that overflowed
+      classify_chunk<T, M>(p, g, begin, end, dst);
+      return;
+    }
+  }
+  const Fast<T> r = block_reduce(f);
+  if (threadIdx.x == 0) *dst = r.partial();
+}
+
+// ------------------------------------------------------------------------------- combining
+
+// A partial written by another block of this kernel: read through L2 (ld.global.cg), never from a
+// possibly stale L1 line. (Partials are 64 bytes at 64-byte offsets of an allocator block.)
+template <typename A> __device__ __forceinline__ Partial<A> load_partial(const Partial<A>* q) {
+  static_assert(sizeof(Partial<A>) % 16 == 0, "Partial is read as uint4");
+  uint4 r[sizeof(Partial<A>) / 16];
+#pragma unroll
+  for (int k = 0; k < int(sizeof(Partial<A>) / 16); ++k) r[k] = __ldcg(reinterpret_cast<const uint4*>(q) + k);
+  Partial<A> p;
+  memcpy(&p, r, sizeof(p));
+  return p;
+}
+
+// Block-wide merge of partials [lo, hi) in a fixed order: thread t merges t, t + 256, ... in
+// ascending order, then the fixed tree. Result in thread 0; zero partials give the identity record.
+template <typename A>
+__device__ __forceinline__ Partial<A> merge_partials(const Partial<A>* ws, int64_t lo, int64_t hi) {
+  Partial<A> p;
+#pragma unroll 2  // two 64-byte partials in flight; more costs registers the scan kernels do not have
+  for (int64_t i = lo + threadIdx.x; i < hi; i += kBlock) p.merge(load_partial(ws + i));
+  return block_reduce(p);
+}
+
+// True, in every thread, in the one block that finishes last. Every block's partials are written by
+// its thread 0, which then fences (release) and takes a ticket; the block that draws ticket
+// gridDim.x - 1 knows every other block has done so, fences (acquire), and puts the ticket back to 0
+// for the next kernel that uses it (nothing else touches it in this launch any more).
+__device__ __forceinline__ bool last_block(unsigned int* ticket) {
+  if (gridDim.x == 1) return true;  // the host passes no ticket for a one-block grid
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) {
+      __threadfence();
+      *ticket = 0u;
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+// ------------------------------------------------------------------------------------ kernels
+
+// One tensor, one launch: block b reduces chunks b, b + gridDim.x, ... into ws[chunk]; the last
+// block merges ws[0, nchunks) in chunk order into out (8 doubles).
+template <typename T, Mode M>
+__global__ void __launch_bounds__(kBlock, kMinBlocksPerSM)
+    summarize_kernel(const T* __restrict__ p, const Geometry g, int64_t chunk, int64_t nchunks,
+                     Partial<typename Traits<T>::A>* ws, unsigned int* ticket, double* __restrict__ out) {
+  // Shared copy of the walk: the dims are indexed dynamically, which kernel parameters serve poorly.
+  __shared__ Geometry sg;
+  if constexpr (M != kContig) {
     for (int i = threadIdx.x; i < int(sizeof(Geometry) / 8); i += kBlock)
       reinterpret_cast<int64_t*>(&sg)[i] = reinterpret_cast<const int64_t*>(&g)[i];
     __syncthreads();
-    const auto off32 = [&](int64_t w) { return walk_to<uint32_t>(sg, w, sg.mstride); };
-    const auto off64 = [&](int64_t w) { return walk_to<uint64_t>(sg, w, sg.mstride); };
-    const bool small = g.numel <= int64_t(UINT32_MAX);
-    if constexpr (M == kDense) scan_linear(acc, p, begin, end);
-    else if (small) scan_elems(acc, p, begin, end, off32);
-    else scan_elems(acc, p, begin, end, off64);
-    if constexpr (!Traits<T>::kFloat) {
-      // integers are finite: no index pass
-    } else if (__syncthreads_or(acc.first != kNoIndex)) {  // block-uniform
-      if constexpr (M == kDense) acc.first = rescan_first(p, begin, end, sg, Identity{});
-      else if (small) acc.first = rescan_first(p, begin, end, sg, off32);
-      else acc.first = rescan_first(p, begin, end, sg, off64);
-    }
   }
-  const auto r = block_merge(acc.partial());
-  if (threadIdx.x == 0) ws[blockIdx.x] = r;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t begin = c * chunk;
+    scan_chunk<T, M>(p, &sg, begin, min(begin + chunk, g.numel), ws + c);
+  }
+  if (!last_block(ticket)) return;
+  const auto r = merge_partials(ws, 0, nchunks);
+  if (threadIdx.x == 0) r.write(out);
 }
 
 // Multi-tensor scan. meta = [ptr[n], numel[n], prefix[n+1], row[n]]; block b scans chunk
 // b - prefix[r] of tensor r, the largest r with prefix[r] <= b (empty tensors own no chunk).
 template <typename T>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, kMinBlocksPerSM)
     scan_many_kernel(const int64_t* __restrict__ meta, int64_t n, int64_t chunk,
                      Partial<typename Traits<T>::A>* __restrict__ ws) {
   const int64_t* prefix = meta + 2 * n;
@@ -329,28 +638,17 @@ __global__ void __launch_bounds__(kBlock)
     if (prefix[mid] <= b) lo = mid; else hi = mid - 1;
   }
   const T* p = reinterpret_cast<const T*>(meta[lo]);
-  const int64_t begin = (b - prefix[lo]) * chunk, end = min(begin + chunk, meta[n + lo]);
-  Acc<T> acc;
-  scan_linear(acc, p, begin, end);
-  const auto r = block_merge(acc.partial());
-  if (threadIdx.x == 0) ws[b] = r;
+  const int64_t begin = (b - prefix[lo]) * chunk;
+  scan_chunk<T, kContig>(p, nullptr, begin, min(begin + chunk, meta[n + lo]), ws + b);
 }
 
-// Block r merges partials [prefix[r], prefix[r+1]) into out row rows[r]; with prefix == nullptr
-// (single tensor) it merges [0, count) into out. Zero partials give the identity record.
+// Block r merges partials [prefix[r], prefix[r+1]) into out row rows[r].
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
     combine_kernel(const Partial<A>* __restrict__ ws, const int64_t* __restrict__ prefix,
-                   const int64_t* __restrict__ rows, int64_t count, double* __restrict__ out) {
-  int64_t lo = 0, hi = count;
-  if (prefix != nullptr) {
-    lo = prefix[blockIdx.x], hi = prefix[blockIdx.x + 1];
-    out += rows[blockIdx.x] * kRecordSize;
-  }
-  Partial<A> p;
-  for (int64_t i = lo + threadIdx.x; i < hi; i += kBlock) p.merge(ws[i]);
-  p = block_merge(p);
-  if (threadIdx.x == 0) p.write(out);
+                   const int64_t* __restrict__ rows, double* __restrict__ out) {
+  const auto r = merge_partials(ws, prefix[blockIdx.x], prefix[blockIdx.x + 1]);
+  if (threadIdx.x == 0) r.write(out + rows[blockIdx.x] * kRecordSize);
 }
 
 // ---------------------------------------------------------------------------------------- host
@@ -370,17 +668,79 @@ template <typename F> void dispatch(at::ScalarType st, const F& f) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Smallest power-of-two chunk (>= kMinChunk) that keeps the grid near kTargetBlocks; depends only
-// on numel, which keeps the merge order (and so sumsq) reproducible.
+// Smallest power-of-two chunk (>= kMinChunk) that keeps the chunk count near kTargetChunks; depends
+// only on numel -- never on the GPU --, which keeps the merge order (and so sumsq) reproducible.
 int64_t pick_chunk(int64_t numel) {
   int64_t c = kMinChunk;
-  while (c < kMaxChunk && ceil_div(numel, c) > kTargetBlocks) c *= 2;
+  while (c < kMaxChunk && ceil_div(numel, c) > kTargetChunks) c *= 2;
   return c;
 }
 
 dim3 grid_of(int64_t blocks) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "nanscan: grid of ", blocks, " blocks");
   return dim3(static_cast<unsigned>(blocks));
+}
+
+// SMs x resident blocks per SM of summarize_kernel<T, M> on `device` (the current device), queried
+// once per device and kernel. Only the grid depends on it, never a result (see the header).
+template <typename T, Mode M>
+int64_t max_grid(c10::DeviceIndex device) {
+  static std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> cache{};
+  TORCH_CHECK(device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS, "nanscan: device index ", int(device));
+  int64_t grid = cache[device].load(std::memory_order_relaxed);
+  if (grid == 0) {
+    int sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, summarize_kernel<T, M>, kBlock, 0));
+    grid = std::max<int64_t>(1, int64_t(sms) * per_sm);
+    cache[device].store(grid, std::memory_order_relaxed);
+  }
+  return grid;
+}
+
+// The eager ticket of (device, stream), zeroed once on that stream (see the header). Keyed by
+// cudaStreamGetId, unique for the life of the program, so a destroyed stream's handle reused by a
+// new stream gets a new ticket. The map is never freed: it must outlive CUDA's teardown at exit.
+unsigned int* stream_ticket(c10::DeviceIndex device, cudaStream_t stream) {
+  unsigned long long id = 0;
+  C10_CUDA_CHECK(cudaStreamGetId(stream, &id));
+  static std::mutex mutex;
+  static auto* tickets = new std::map<std::pair<int, unsigned long long>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const std::pair<int, unsigned long long> key(device, id);
+  auto it = tickets->find(key);
+  if (it == tickets->end()) {  // the caller's current stream is `stream`: the zero fill runs on it
+    const auto opts = at::TensorOptions().device(at::Device(at::kCUDA, device)).dtype(at::kInt);
+    it = tickets->emplace(key, at::zeros({1}, opts)).first;
+  }
+  return reinterpret_cast<unsigned int*>(it->second.data_ptr());
+}
+
+// Single-tensor path: one launch (plus, under stream capture, a 4-byte memset) into out_row.
+template <typename T, Mode M>
+void launch_one(const T* p, const Geometry& g, double* out_row, const at::TensorOptions& dev,
+                c10::DeviceIndex device, cudaStream_t stream) {
+  using A = typename Traits<T>::A;
+  const int64_t chunk = pick_chunk(g.numel), nchunks = ceil_div(g.numel, chunk);
+  const int64_t grid = std::max<int64_t>(1, std::min(nchunks, max_grid<T, M>(device)));  // empty: 1 block
+  bool captured = false;
+  if (grid > 1) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    captured = status != cudaStreamCaptureStatusNone;
+  }
+  const int64_t ws_bytes = nchunks * int64_t(sizeof(Partial<A>));
+  at::Tensor ws = at::empty({ws_bytes + (captured ? kVecBytes : 0)}, dev.dtype(at::kByte));
+  auto* wp = static_cast<Partial<A>*>(ws.data_ptr());
+  unsigned int* ticket = nullptr;
+  if (captured) {
+    ticket = reinterpret_cast<unsigned int*>(static_cast<char*>(ws.data_ptr()) + ws_bytes);
+    C10_CUDA_CHECK(cudaMemsetAsync(ticket, 0, sizeof(unsigned int), stream));
+  } else if (grid > 1) {
+    ticket = stream_ticket(device, stream);
+  }
+  summarize_kernel<T, M><<<grid_of(grid), kBlock, 0, stream>>>(p, g, chunk, nchunks, wp, ticket, out_row);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Chooses the walk of t (see the header comment) and fills g for kDense / kStrided.
@@ -417,7 +777,7 @@ Mode plan(const at::Tensor& t, Geometry& g) {
   return dense ? kDense : kStrided;
 }
 
-// Single-tensor path: scan + combine into out_row (8 doubles on the device). Graph capturable.
+// Single-tensor path into out_row (8 doubles on the device). Graph capturable.
 void summarize_into(at::Tensor t, double* out_row, const at::TensorOptions& dev) {
   Geometry g;
   Mode mode = plan(t, g);
@@ -425,22 +785,14 @@ void summarize_into(at::Tensor t, double* out_row, const at::TensorOptions& dev)
     t = t.contiguous();
     mode = plan(t, g);
   }
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const c10::DeviceIndex device = t.device().index();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   dispatch(t.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
-    using A = typename Traits<T>::A;
-    const int64_t chunk = pick_chunk(g.numel), blocks = ceil_div(g.numel, chunk);
-    at::Tensor ws = at::empty({blocks * int64_t(sizeof(Partial<A>))}, dev.dtype(at::kByte));
-    auto* wp = static_cast<Partial<A>*>(ws.data_ptr());
-    if (blocks > 0) {  // no zero-size grid: an empty tensor goes straight to the combine
-      const T* p = static_cast<const T*>(t.data_ptr());
-      if (mode == kContig) scan_one_kernel<T, kContig><<<grid_of(blocks), kBlock, 0, stream>>>(p, g, chunk, wp);
-      else if (mode == kDense) scan_one_kernel<T, kDense><<<grid_of(blocks), kBlock, 0, stream>>>(p, g, chunk, wp);
-      else scan_one_kernel<T, kStrided><<<grid_of(blocks), kBlock, 0, stream>>>(p, g, chunk, wp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    combine_kernel<A><<<1, kBlock, 0, stream>>>(wp, nullptr, nullptr, blocks, out_row);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const T* p = static_cast<const T*>(t.data_ptr());
+    if (mode == kContig) launch_one<T, kContig>(p, g, out_row, dev, device, stream);
+    else if (mode == kDense) launch_one<T, kDense>(p, g, out_row, dev, device, stream);
+    else launch_one<T, kStrided>(p, g, out_row, dev, device, stream);
   });
 }
 
@@ -475,7 +827,7 @@ void summarize_group(const std::vector<at::Tensor>& ts, const std::vector<int64_
     scan_many_kernel<T><<<grid_of(blocks), kBlock, 0, stream>>>(m, n, chunk, wp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  combine_kernel<A><<<grid_of(n), kBlock, 0, stream>>>(wp, m + 2 * n, m + 3 * n + 1, 0, out);
+  combine_kernel<A><<<grid_of(n), kBlock, 0, stream>>>(wp, m + 2 * n, m + 3 * n + 1, out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
