@@ -566,3 +566,30 @@ def test_bad_optimizer_or_a_failed_install_leaves_no_hook_on_the_model(monkeypat
     assert hooks() == 0 and not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
     with nanscan.watch(model, opt):  # and the model can be watched afterwards
         pass
+
+
+def test_parameters_without_a_gradient_are_skipped_and_the_rest_named():
+    """A branch unused in a step leaves its parameters' .grad None: the read takes the others (the
+    C++ param_grads path with some missing) and still names the faulty gradient."""
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.used(self.body(x))
+
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            if step == 1:
+                model.body.weight.grad[0, 0] = float("nan")  # a gradient hook's bug, say
+            opt.step()
+            opt.zero_grad()
+    assert model.unused.weight.grad is None
+    inc = mon.incidents[0]  # (the NaN then reaches the weight and the next steps: recorded, not raised)
+    assert (inc.step, inc.phase, inc.kind, inc.name) == (1, "backward", "grad", "body.weight")

@@ -94,6 +94,7 @@ class Monitor:
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
+        self._first_param = next(iter(model.parameters()))
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in self._params]
         self._all_param_names = frozenset(self._param_names)
@@ -167,7 +168,9 @@ class Monitor:
             self._wrap_scaler_step()
 
     def _model_device(self) -> torch.device:
-        return next(iter(self.model.parameters())).device
+        # (The first parameter, kept: model.to() moves a Parameter's data in place, so its device
+        # stays current without walking model.parameters() at every step.)
+        return self._first_param.device
 
     def _kernels_for(self, device):
         kernels = self._kernels.get(device)
