@@ -1,8 +1,9 @@
 """GPU-only checks the CPU suite cannot make: CUDA-graph capture, no host sync, mixed devices,
 determinism, and more than 2**31 elements; for the C++/CUDA single-tensor kernel (one launch, the
 last block combines, a ticket it resets): 1, 2 and many blocks, back-to-back calls and graph
-replays, concurrent streams. (Every backend vs reference on CUDA tensors runs in
-test_summarize.py, parametrized over the backends available here.)"""
+replays, concurrent streams; for its summarize_many table cache: hits, values changed in place,
+lists changed or swapped, eviction, no copy on a hit. (Every backend vs reference on CUDA tensors
+runs in test_summarize.py, parametrized over the backends available here.)"""
 import pytest
 import torch
 
@@ -221,3 +222,97 @@ def test_single_tensor_is_one_launch():
     if not on_gpu:
         pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
     assert len(on_gpu) == 1 and "summarize_kernel" in on_gpu[0], on_gpu
+
+
+def many_tensors():
+    """Two dtype groups (interleaved rows), an empty tensor, one and many chunks per tensor."""
+    return [planted(1000), planted(4097), planted(70001, torch.bfloat16), torch.zeros(0, device="cuda"),
+            planted(1 << 20), planted(5000, torch.bfloat16)]
+
+
+def assert_rows_match(rows, xs, what):
+    assert rows.shape == (len(xs), 8), what
+    for i, (row, x) in enumerate(zip(rows, xs)):
+        assert_record_matches(row, reference.summarize(x), x, f"{what} xs[{i}]")
+
+
+@CUDA_KERNEL
+def test_many_table_cache_hit_and_new_values():
+    """summarize_many caches each dtype group's device table (csrc/cuda/summarize.cu, many_table):
+    the same list again (a hit, no copy) gives the same rows bitwise, and new values written in
+    place into the same buffers are read (the table holds addresses, never values)."""
+    xs = many_tensors()
+    first = nanscan.records(xs, backend="cuda")
+    again = nanscan.records(xs, backend="cuda")
+    torch.cuda.synchronize()
+    assert_rows_match(first, xs, "first")
+    assert torch.equal(again, first)
+    for x in xs:
+        if x.numel():
+            x.copy_(torch.randn(x.numel(), device="cuda").to(x.dtype))
+    xs[1][7] = float("inf")  # another first non-finite index: the row must change
+    xs[4][123] = float("nan")
+    changed = nanscan.records(xs, backend="cuda")
+    torch.cuda.synchronize()
+    assert_rows_match(changed, xs, "changed in place")
+    assert not torch.equal(changed, first)
+
+
+@CUDA_KERNEL
+def test_many_table_cache_is_not_misread():
+    """A list with one tensor replaced by another of the same shape and dtype (another data pointer,
+    here also a storage offset), the same tensors in another order, and a shorter list are each
+    summarized from their own table -- a cached table is used only when every key word matches."""
+    xs = many_tensors()
+    want = nanscan.records(xs, backend="cuda")
+    base = planted(70002, torch.bfloat16)
+    ys = list(xs)
+    ys[2] = base[1:]  # same shape and dtype as xs[2], other address; xs[2] stays alive
+    swapped = nanscan.records(ys, backend="cuda")
+    order = [4, 0, 5, 3, 2, 1]
+    permuted = nanscan.records([xs[i] for i in order], backend="cuda")
+    shorter = nanscan.records(xs[:2], backend="cuda")
+    again = nanscan.records(xs, backend="cuda")
+    torch.cuda.synchronize()
+    assert_rows_match(swapped, ys, "one tensor replaced")
+    assert_rows_match(permuted, [xs[i] for i in order], "permuted")
+    assert_rows_match(shorter, xs[:2], "shorter")
+    assert torch.equal(again, want)
+    for k in (0, 1, 3, 4, 5):
+        assert torch.equal(swapped[k], want[k]), k
+
+
+@CUDA_KERNEL
+def test_many_lists_alternating_and_evicted():
+    """Lists of different lengths called alternately, queued without a sync, and more distinct lists
+    than the cache keeps (so tables are evicted and rebuilt while earlier kernels may still read
+    theirs): every row is right and bitwise equal to the first call on the same list."""
+    xs = many_tensors()
+    lists = [xs[:k] for k in range(1, len(xs) + 1)] + [xs[k:] + xs[:k] for k in range(1, len(xs))]
+    lists += [list(reversed(lst)) for lst in lists[1:]]  # 21 distinct lists, > 16 cached tables
+    first = [nanscan.records(lst, backend="cuda") for lst in lists]
+    torch.cuda.synchronize()
+    for lst, rows in zip(lists, first):
+        assert_rows_match(rows, lst, f"{len(lst)} tensors")
+    queued = [(i, nanscan.records(lists[i], backend="cuda")) for _ in range(3) for i in range(len(lists))]
+    queued += [(i, nanscan.records(lists[i], backend="cuda")) for _ in range(3) for i in (0, len(xs) - 1)]
+    torch.cuda.synchronize()
+    for i, rows in queued:
+        assert torch.equal(rows, first[i]), f"list {i}"
+
+
+@CUDA_KERNEL
+def test_many_cache_hit_copies_nothing():
+    """The second call on the same list (a cached table) issues no host-to-device copy: only the scan
+    and combine kernels of each dtype group run on the GPU."""
+    xs = many_tensors()
+    nanscan.records(xs, backend="cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        nanscan.records(xs, backend="cuda")
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not on_gpu:
+        pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
+    assert not any("memcpy" in name.lower() for name in on_gpu), on_gpu
+    assert sum("scan_many_kernel" in name for name in on_gpu) == 2, on_gpu

@@ -44,13 +44,19 @@
 // LOGICAL row-major indices of non-finite elements, so it depends on neither the walk nor the
 // reduction order; only the classifying pass computes logical indices, and only for non-finite
 // elements.
-// summarize_many. Contiguous tensors of one dtype run as ONE scan launch whose blocks (one per
-// chunk) find their tensor by binary search over a device table (data pointer, numel, chunk
-// prefix, output row) that is filled in pinned host memory and copied non-blocking; then one
-// combine launch per dtype. It chunks the dtype group as a whole. Non-contiguous tensors take the
-// single-tensor path into their row. While the stream is being captured into a CUDA graph every
-// tensor takes the single-tensor path, because a graph would re-read a pinned staging buffer that
-// the host allocator recycles after the call.
+// summarize_many. Contiguous tensors of one dtype run as ONE scan launch, one block per chunk of
+// the group (chunked as a whole: chunk from the group's total numel, each tensor cut from its own
+// start), then one combine launch per dtype that merges each tensor's partials in chunk order. The
+// blocks read a device table, int64 [ptr[n], numel[n], prefix[n+1], row[n]] followed by int32
+// tix[blocks] (block b's tensor: prefix[tix[b]] <= b < prefix[tix[b] + 1]), so a block finds its
+// tensor with one load -- 32 n + 4 chunks bytes. Tables are cached (many_table: up to 16, most
+// recently used kept), keyed IN FULL by device, stream, dtype and each tensor's (data pointer, numel,
+// output row), of which the table is a pure function: calling with the list of the previous step
+// copies nothing to the device; any other list builds its table in pinned memory and copies it
+// non-blocking, as every call did before. Non-contiguous tensors take the single-tensor path into
+// their row. While the stream is being captured into a CUDA graph every tensor takes the
+// single-tensor path, because a graph would re-read a pinned staging buffer that the host allocator
+// recycles after the call, or a cached table that an eager call may evict.
 //
 // Measured statically (no GPU has run this yet): sm_90, nvcc 13.0, the build's own nvcc command line
 // (see the setup.py build log) plus `-Xptxas -v`, and `cuobjdump -sass` on the object.
@@ -624,22 +630,19 @@ __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM)
   if (threadIdx.x == 0) r.write(out);
 }
 
-// Multi-tensor scan. meta = [ptr[n], numel[n], prefix[n+1], row[n]]; block b scans chunk
-// b - prefix[r] of tensor r, the largest r with prefix[r] <= b (empty tensors own no chunk).
+// Multi-tensor scan. meta = [ptr[n], numel[n], prefix[n+1], row[n]] (int64), then tix[blocks]
+// (int32, at meta + 4n + 1): block b scans chunk b - prefix[r] of tensor r = tix[b], the one tensor
+// with prefix[r] <= b < prefix[r+1] (empty tensors own no chunk) -- one load, then three
+// independent ones, where a binary search made ~log2(n) dependent loads.
 template <typename T>
 __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM)
-    scan_many_kernel(const int64_t* __restrict__ meta, int64_t n, int64_t chunk,
-                     Partial<typename Traits<T>::A>* __restrict__ ws) {
-  const int64_t* prefix = meta + 2 * n;
+    scan_many_kernel(const int64_t* __restrict__ meta, const int32_t* __restrict__ tix, int64_t n,
+                     int64_t chunk, Partial<typename Traits<T>::A>* __restrict__ ws) {
   const int64_t b = blockIdx.x;
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (prefix[mid] <= b) lo = mid; else hi = mid - 1;
-  }
-  const T* p = reinterpret_cast<const T*>(meta[lo]);
-  const int64_t begin = (b - prefix[lo]) * chunk;
-  scan_chunk<T, kContig>(p, nullptr, begin, min(begin + chunk, meta[n + lo]), ws + b);
+  const int64_t r = tix[b];
+  const T* p = reinterpret_cast<const T*>(meta[r]);
+  const int64_t begin = (b - meta[2 * n + r]) * chunk;
+  scan_chunk<T, kContig>(p, nullptr, begin, min(begin + chunk, meta[n + r]), ws + b);
 }
 
 // Block r merges partials [prefix[r], prefix[r+1]) into out row rows[r].
@@ -796,35 +799,102 @@ void summarize_into(at::Tensor t, double* out_row, const at::TensorOptions& dev)
   });
 }
 
-// One scan launch + one combine launch for contiguous tensors ts[idx] of one dtype.
+// The device table of one summarize_many dtype group (layout: scan_many_kernel), cached. The table
+// is a pure function of `words` -- (data pointer, numel, output row) of each tensor of the group, in
+// order: chunk, prefix and tix follow from the numels -- so a cached table whose key equals the
+// call's key in FULL (every word compared, no hash) is byte for byte the table a fresh build would
+// copy: a changed list (another tensor, another offset, another length or order) misses, and new
+// values in the same buffers need no new table (it holds no values). The key also holds the device,
+// the dtype and the stream (cudaStreamGetId, unique for the life of the program): a table is
+// allocated, copied and only ever read on its own stream, so stream order alone makes a hit wait for
+// its copy, and an evicted table's memory goes back to the caching allocator on that stream, after
+// every kernel that read it. A miss builds the table in pinned memory from the host caching
+// allocator and copies it non-blocking (the allocator records an event, so the buffer is not
+// recycled before the copy ran) -- as every call did before; a hit (the monitor's case: the same
+// parameter list every step) makes no pinned allocation and no host-to-device copy. Never used
+// under stream capture (summarize_many_cuda): a graph must not depend on a table that an eager call
+// may evict.
+struct TableKey {
+  int device = 0;
+  unsigned long long stream = 0;
+  int dtype = 0;
+  std::vector<int64_t> words;  // 3 per tensor: data pointer, numel, output row
+  bool operator==(const TableKey& o) const {
+    return device == o.device && stream == o.stream && dtype == o.dtype && words == o.words;
+  }
+};
+struct ManyTable {
+  at::Tensor meta;  // int64 on the device: [ptr[n], numel[n], prefix[n+1], row[n]], then int32 tix[blocks]
+  int64_t chunk = 0, blocks = 0;
+};
+constexpr size_t kTableCacheEntries = 16;  // most recently used kept; a table is ~ 32 n + 4 blocks bytes
+
+ManyTable many_table(TableKey key, const at::TensorOptions& dev) {
+  struct Entry { TableKey key; ManyTable table; };
+  static std::mutex mutex;
+  static auto* cache = new std::vector<Entry>();  // most recently used first; never freed (as tickets)
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (size_t i = 0; i < cache->size(); ++i) {
+      if ((*cache)[i].key == key) {
+        std::rotate(cache->begin(), cache->begin() + i, cache->begin() + i + 1);
+        return cache->front().table;  // a copy: its tensor stays alive until the caller's launches are queued
+      }
+    }
+  }
+  const int64_t n = static_cast<int64_t>(key.words.size() / 3);
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "nanscan.summarize_many: ", n, " tensors of one dtype");
+  ManyTable t;
+  int64_t total = 0;
+  for (int64_t k = 0; k < n; ++k) total += key.words[3 * k + 1];
+  t.chunk = pick_chunk(total);
+  for (int64_t k = 0; k < n; ++k) t.blocks += ceil_div(key.words[3 * k + 1], t.chunk);
+  const int64_t words = 4 * n + 1 + (t.blocks + 1) / 2;  // tix: 2 int32 per int64 word
+  at::Tensor host = at::empty({words}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* h = static_cast<int64_t*>(host.data_ptr());
+  int64_t* prefix = h + 2 * n;
+  int32_t* tix = reinterpret_cast<int32_t*>(h + 4 * n + 1);
+  prefix[0] = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    h[k] = key.words[3 * k];
+    h[n + k] = key.words[3 * k + 1];
+    prefix[k + 1] = prefix[k] + ceil_div(key.words[3 * k + 1], t.chunk);
+    h[3 * n + 1 + k] = key.words[3 * k + 2];
+    for (int64_t c = prefix[k]; c < prefix[k + 1]; ++c) tix[c] = static_cast<int32_t>(k);
+  }
+  if (t.blocks % 2 != 0) tix[t.blocks] = 0;  // padding of the last word: never read, but defined
+  t.meta = host.to(dev.device(), at::kLong, /*non_blocking=*/true);  // on the current stream = key.stream
+  const std::lock_guard<std::mutex> lock(mutex);
+  cache->insert(cache->begin(), Entry{std::move(key), t});  // a concurrent miss may add a twin: harmless
+  if (cache->size() > kTableCacheEntries) cache->pop_back();
+  return t;
+}
+
+// One scan launch + one combine launch for contiguous tensors ts[idx] of one dtype, chunking the
+// group as a whole (chunk from the group's total numel).
 template <typename T>
 void summarize_group(const std::vector<at::Tensor>& ts, const std::vector<int64_t>& idx, double* out,
                      const at::TensorOptions& dev, cudaStream_t stream) {
   using A = typename Traits<T>::A;
   const int64_t n = static_cast<int64_t>(idx.size());
-  int64_t total = 0;
-  for (int64_t i : idx) total += ts[i].numel();
-  const int64_t chunk = pick_chunk(total);
-  at::Tensor host = at::empty({4 * n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* h = static_cast<int64_t*>(host.data_ptr());
-  int64_t* prefix = h + 2 * n;
-  prefix[0] = 0;
+  TableKey key;
+  key.device = dev.device().index();
+  C10_CUDA_CHECK(cudaStreamGetId(stream, &key.stream));
+  key.dtype = static_cast<int>(ts[idx[0]].scalar_type());
+  key.words.resize(3 * n);
   for (int64_t k = 0; k < n; ++k) {
     const at::Tensor& t = ts[idx[k]];
-    h[k] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
-    h[n + k] = t.numel();
-    prefix[k + 1] = prefix[k] + ceil_div(t.numel(), chunk);
-    h[3 * n + 1 + k] = idx[k];
+    key.words[3 * k] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
+    key.words[3 * k + 1] = t.numel();
+    key.words[3 * k + 2] = idx[k];
   }
-  const int64_t blocks = prefix[n];
-  // Pinned source + non_blocking: an async copy on the current stream; the host allocator records
-  // an event so the buffer is not recycled before the copy ran.
-  const at::Tensor meta = host.to(dev.device(), at::kLong, /*non_blocking=*/true);
-  const int64_t* m = static_cast<const int64_t*>(meta.data_ptr());
-  at::Tensor ws = at::empty({blocks * int64_t(sizeof(Partial<A>))}, dev.dtype(at::kByte));
+  const ManyTable table = many_table(std::move(key), dev);
+  const int64_t* m = static_cast<const int64_t*>(table.meta.data_ptr());
+  const int32_t* tix = reinterpret_cast<const int32_t*>(m + 4 * n + 1);
+  at::Tensor ws = at::empty({table.blocks * int64_t(sizeof(Partial<A>))}, dev.dtype(at::kByte));
   auto* wp = static_cast<Partial<A>*>(ws.data_ptr());
-  if (blocks > 0) {
-    scan_many_kernel<T><<<grid_of(blocks), kBlock, 0, stream>>>(m, n, chunk, wp);
+  if (table.blocks > 0) {
+    scan_many_kernel<T><<<grid_of(table.blocks), kBlock, 0, stream>>>(m, tix, n, table.chunk, wp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   combine_kernel<A><<<grid_of(n), kBlock, 0, stream>>>(wp, m + 2 * n, m + 3 * n + 1, out);
