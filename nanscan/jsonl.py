@@ -17,6 +17,7 @@ shows them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Any, Optional
@@ -66,6 +67,17 @@ def strict(value: Any) -> Any:
 def dumps(value: Any, **kw) -> str:
     """Strict JSON of plain data (non-finite floats as markers)."""
     return json.dumps(strict(value), allow_nan=False, **kw)
+
+
+def digest(document: dict, without: str = "digest") -> str:
+    """SHA-256 (hex) of ``document``'s canonical JSON, its ``without`` field left out:
+    ``json.dumps(sort_keys=True, separators=(",", ":"), allow_nan=False)``, ASCII. Every key and
+    value is covered; layout (indentation, key order) is not. A bundle's manifest carries its own
+    (:mod:`nanscan.capture.bundle` writes and checks it, the report checks it too). ``document`` is
+    the JSON as parsed, markers not decoded."""
+    body = {k: v for k, v in document.items() if k != without}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 def _is_header(line: str) -> bool:

@@ -559,3 +559,24 @@ def test_rerun_into_the_same_capture_dir_keeps_both_bundles(tmp_path, recwarn):
     with pytest.raises(FileExistsError):
         nanscan.capture_bundle(mon1.bundle_path, model=log_net(), batch=torch.randn(2, 8))
     assert B.free_bundle_path(str(tmp_path / "step000001-rank0")) == str(tmp_path / "step000001-rank0-3")
+
+
+def test_report_of_an_edited_manifest_says_so(tmp_path):
+    """`nanscan report BUNDLE` checks the manifest's digest as load_bundle does (torch-free): an
+    edited step is refused, one line and exit 2 from the CLI, never reported as the incident."""
+    from nanscan import cli, report
+
+    path = small_bundle(tmp_path / "b", step=14, incident={"name": "drop", "kind": "activation",
+                                                            "phase": "forward"})
+    assert report.summarize_run(path)["step"] == 14
+    manifest_file = os.path.join(path, "manifest.json")
+    original = open(manifest_file, "rb").read()
+    open(manifest_file, "wb").write(original.replace(b'"step": 14', b'"step": 15'))
+    with pytest.raises(ValueError, match="was edited or corrupted"):
+        report.summarize_run(path)
+    assert cli.main(["report", path]) == 2
+    edit_manifest(path, lambda m: m.pop("digest"), forge_digest=False)  # format 2 without a digest
+    with pytest.raises(ValueError, match="was edited or corrupted"):
+        report.summarize_run(path)
+    edit_manifest(path, lambda m: m.update(version=1), forge_digest=False)  # format 1: nothing to check
+    assert report.summarize_run(path)["step"] == 15

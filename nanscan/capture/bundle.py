@@ -56,6 +56,8 @@ from typing import Any, Optional
 
 import torch
 
+from nanscan import jsonl
+
 FORMAT = "nanscan-bundle"
 VERSION = 2  # 2: the manifest carries its own digest
 READABLE_VERSIONS = (1, 2)
@@ -204,9 +206,7 @@ def manifest_digest(manifest: dict) -> str:
     """The ``digest`` of a manifest: SHA-256 (hex) of its canonical JSON without the ``digest``
     field -- ``json.dumps(sort_keys=True, separators=(",", ":"), allow_nan=False)``, ASCII. Every
     key and value is covered; layout (indentation, key order) is not."""
-    body = {k: v for k, v in manifest.items() if k != "digest"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(text.encode("ascii")).hexdigest()
+    return jsonl.digest(manifest)  # (one home: the report checks it too, without torch)
 
 
 def free_bundle_path(path: str) -> str:

@@ -6,6 +6,7 @@ read by :mod:`nanscan.jsonl` (the format's one home, torch-free, shared with :mo
 Neither torch nor ``nanscan.log`` is imported: a report can be made anywhere the log is."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional
 
@@ -64,11 +65,29 @@ def load_bundle_manifest(path: str) -> dict:
         raise ValueError(f"nanscan report: {path} is a directory without manifest.json: give a JSONL event "
                          "log or a failure bundle directory")
     try:
-        with open(manifest_path) as f:
-            manifest = loads(f.read())
-    except (OSError, ValueError) as e:
+        with open(manifest_path, encoding="utf-8") as f:
+            text = f.read()
+        manifest = loads(text)
+    except (OSError, ValueError) as e:  # (UnicodeDecodeError is a ValueError)
         raise ValueError(f"nanscan report: {manifest_path} is not valid JSON ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != BUNDLE_FORMAT:
         raise ValueError(f"nanscan report: {manifest_path} is not a nanscan bundle manifest "
                          f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    _check_digest(manifest_path, text, manifest)
     return manifest
+
+
+def _check_digest(manifest_path: str, text: str, manifest: dict) -> None:
+    """A format-2 manifest's ``digest`` must match its content (:func:`nanscan.jsonl.digest`), as
+    ``load_bundle`` checks it: a report never describes an edited or corrupted manifest as the
+    incident. Format 1 (written before the digest existed) has none to check."""
+    if manifest.get("version") == 1 and "digest" not in manifest:
+        return
+    try:
+        raw = json.loads(text)  # (the digest covers the JSON as written: markers not decoded)
+        ok = isinstance(raw.get("digest"), str) and raw["digest"] == jsonl.digest(raw)
+    except (ValueError, TypeError, RecursionError):
+        ok = False
+    if not ok:
+        raise ValueError(f"nanscan report: {manifest_path} was edited or corrupted (its digest does not match its "
+                         f"content, or it has none): not reporting it as the bundle's incident")
