@@ -116,6 +116,81 @@ def test_compiled_incident_equals_eager(backend, fullgraph, case):
     assert compiled.inputs == eager.inputs
 
 
+# The forward cases with the default options (no gradient taps): the traced hooks' fast path and
+# leaf modules' one stamp per call (inputs with outputs, after the forward).
+DEFAULT_MATRIX = ([("aot_eager", fullgraph, case) for fullgraph in (False, True)
+                   for case in ("block_fault", "masked_attention", "nan_batch", "odd_shapes", "update_blows_up")]
+                  + [("inductor", True, "masked_attention"), ("inductor", False, "block_fault")])
+
+
+@pytest.mark.parametrize("backend,fullgraph,case", DEFAULT_MATRIX)
+def test_compiled_incident_equals_eager_with_default_options(backend, fullgraph, case):
+    make, plant, make_opt, loss_fn = CASES[case]
+    eager, compiled = eager_and_compiled(make, 4, plant, dict(backend=backend, fullgraph=fullgraph),
+                                         make_opt=make_opt, loss_fn=loss_fn)
+    assert eager is not None and compiled is not None
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert compiled.inputs == eager.inputs
+
+
+class PoisonsItsInput(nn.Module):
+    """A leaf that writes NaN into its input in place (no ``inplace`` attribute says so) and returns
+    a new tensor. A leaf's inputs are stamped after its forward inside a graph: what it received
+    is then unknown, and nanscan must say so rather than blame whoever made the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fault = False
+
+    def forward(self, x):
+        if self.fault:
+            x[0, 0] = float("nan")
+        return x * 2.0
+
+
+class PoisonNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.poison, self.head = nn.Linear(8, 8), PoisonsItsInput(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.poison(self.embed(x)))
+
+
+class BodyMutatesNet(PoisonNet):
+    """The parent's own body changes a child's output in place (NaN) before the next child reads it:
+    the next child's input was changed after the stamp that saw it."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        if self.poison.fault:
+            h[0, 0] = float("nan")
+        return self.head(h * 1.0 + self.poison(torch.ones_like(h)))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_leaf_that_changes_its_input_in_place_is_not_guessed(fullgraph):
+    def plant(m, i):
+        m.poison.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(PoisonNet, 3, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    # Eager: the embed output was changed before it was summarized (stale); compiled: the poison's
+    # input row changed during its forward. Both name the poison, and neither says who produced it.
+    assert key(eager) == key(compiled) == (1, "forward", "poison", "activation", None)
+
+
+def test_a_parent_body_that_changes_a_value_in_place_is_still_named():
+    def plant(m, i):
+        m.poison.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(BodyMutatesNet, 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert eager is not None and compiled is not None
+    assert compiled.name == eager.name and compiled.step == eager.step == 1 and compiled.phase == "forward"
+    assert compiled.produced in (eager.produced, None)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eval_forwards_between_compiled_steps_change_nothing(backend):
     eager, compiled = eager_and_compiled(Net, 4, block_fault, dict(backend=backend), dict(eval_between=True))

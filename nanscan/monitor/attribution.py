@@ -82,7 +82,9 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
             bad_inputs = tuple(s.known_bad_inputs)
             produced = not bad_inputs
         elif any(at(slots, j).stale for j in inputs):
-            produced = None if not bad_inputs else False
+            # What a stale input held when it was used is unknown: only a non-finite input that is
+            # not stale says "propagated".
+            produced = False if any(j in bad and not at(slots, j).stale for j in inputs) else None
         elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs
                                              and s.grad_of is None):
             produced = None

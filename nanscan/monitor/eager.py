@@ -70,7 +70,7 @@ class ModuleInfo:
     """What the hooks of one module need, computed once at ``watch``; ``index`` is its position in
     the monitor's module list (the C++ hooks know a module by it)."""
 
-    __slots__ = ("name", "module", "is_root", "inplace", "index", "row_base", "__weakref__")
+    __slots__ = ("name", "module", "is_root", "inplace", "index", "row_base", "leaf", "__weakref__")
 
     def __init__(self, name: str, module: torch.nn.Module, is_root: bool, index: int = 0):
         self.name, self.is_root, self.index = name, is_root, index
@@ -79,6 +79,7 @@ class ModuleInfo:
         # queued records are summarized before it runs.
         self.inplace = bool(getattr(module, "inplace", False))
         self.row_base = 0  # its first row in the compiled path's buffer (set by TracedRows)
+        self.leaf = False  # its traced inputs are stamped with its outputs (set by TracedRows)
 
 
 def _root_hooks(pre, post):
@@ -179,21 +180,42 @@ class EagerHooks:
         self.monitor._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
 
     # --------------------------------------------------------------- the hooks
-    # Everything a call needs is bound once here: a hook is one check and one C++ call.
+    # Everything a call needs is bound once here: in eager a hook is one check and one C++ call.
+    # While dynamo traces them, the common calls -- module(x) -> tensor -- take a fast path that is
+    # one graph op (``stamp_rows_``) and as few traced lines as possible: dynamo traces every line
+    # of every hook at every module call, and that is most of a watched model's compile time
+    # (benchmarks/compile_time.py). Everything else goes through TracedRows.write_*.
     def _pre_hook(self, info: ModuleInfo):
         traced, pre, index = self.monitor.traced, self._pre, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
+        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp_rows_, torch.Tensor, torch.is_grad_enabled
+        row, owner, model = info.row_base, id(traced), traced.model
 
-        def pre_hook(module, args, kwargs):
-            if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
-                return traced.write_inputs(info, args, kwargs)
-            pre(index, module, args, kwargs)
+        if info.leaf:  # (its inputs are stamped by its hook, with its outputs)
+            def pre_hook(module, args, kwargs):
+                if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
+                    return None
+                pre(index, module, args, kwargs)
+        else:
+            def pre_hook(module, args, kwargs):
+                if dynamo_compiling() or compiler._is_compiling_flag:
+                    if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor:
+                        t = args[0]
+                        if grad_enabled() and model.training and (t.is_floating_point() or t.is_complex()):
+                            stamp(traced.buffer, traced.counter, [t], None, row, owner, "")
+                            if type(t.numel()) is not int:
+                                traced.write_shape(row, t)
+                        return None
+                    return traced.write_inputs(info, args, kwargs)
+                pre(index, module, args, kwargs)
 
         return pre_hook
 
     def _post_hook(self, info: ModuleInfo):
         traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
+        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp_rows_, torch.Tensor, torch.is_grad_enabled
+        row, owner, model = info.row_base + traced.INPUTS, id(traced), traced.model  # (its first output row)
 
         if info.is_root:
             def post_hook(module, args, kwargs, output):
@@ -203,9 +225,39 @@ class EagerHooks:
                 # in production order: they only serve attribution (the loss).
                 cpp.root_late = traced.used
                 post(index, module, args, kwargs, output)
+        elif info.leaf:
+            def post_hook(module, args, kwargs, output):
+                if dynamo_compiling() or compiler._is_compiling_flag:
+                    if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor \
+                            and type(output) is Tensor and grad_enabled() and model.training:
+                        t = args[0]
+                        if t.is_floating_point() or t.is_complex():
+                            if output.is_floating_point() or output.is_complex():
+                                stamp(traced.buffer, traced.counter, [t, output], None, row - 1, owner, "")
+                                if type(t.numel()) is not int:
+                                    traced.write_shape(row - 1, t)
+                                if type(output.numel()) is not int:
+                                    traced.write_shape(row, output)
+                            else:
+                                stamp(traced.buffer, traced.counter, [t], None, row - 1, owner, "")
+                                if type(t.numel()) is not int:
+                                    traced.write_shape(row - 1, t)
+                        elif output.is_floating_point() or output.is_complex():
+                            stamp(traced.buffer, traced.counter, [output], None, row, owner, "")
+                            if type(output.numel()) is not int:
+                                traced.write_shape(row, output)
+                        return None
+                    return traced.write_leaf(info, args, kwargs, output)
+                post(index, module, args, kwargs, output)
         else:
             def post_hook(module, args, kwargs, output):
-                if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
+                if dynamo_compiling() or compiler._is_compiling_flag:
+                    if traced.stamping and type(output) is Tensor and grad_enabled() and model.training:
+                        if output.is_floating_point() or output.is_complex():
+                            stamp(traced.buffer, traced.counter, [output], None, row, owner, "")
+                            if type(output.numel()) is not int:
+                                traced.write_shape(row, output)
+                        return None
                     return traced.write_outputs(info, output)
                 post(index, module, args, kwargs, output)
 

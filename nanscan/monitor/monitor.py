@@ -367,6 +367,7 @@ class Monitor:
                 self.steplog.flush(before=step + 1 - lag)
             self.step_index += 1
             self.checking = self.step_index % self.every == 0
+            self.traced.set_recording()
             if self.activations:  # the model may have moved (model.to(device) after watch)
                 self.traced.allocate(self._model_device())
             self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
@@ -469,6 +470,7 @@ class Monitor:
                 self._read(before_update=False, final=True, include_grads=False)
         finally:
             self._closed = True
+            self.traced.set_recording()
             if self.grad_sink is not None:
                 self.grad_sink.generation = -1
             if self.steplog is not None:

@@ -32,12 +32,13 @@ dynamo guards on all three, so an eval forward runs a graph of its own that writ
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
 
 from nanscan import _ops
-from nanscan.monitor.eager import float_tensors
+from nanscan.monitor.eager import ROOT as ROOT_NAME, float_tensors
 from nanscan.monitor.slots import Slot
 from nanscan.record import RECORD_SIZE
 
@@ -69,14 +70,54 @@ _SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
 _LABEL_SEP = "\x1f"
 
 
+# Version counters of the (fake) tensors the traced stamps have seen, and the post-time input rows
+# that cannot be trusted (see _noted_at_trace).
+_VERSIONS = torch.utils.weak.WeakIdKeyDictionary()
+_UNTRUSTED: set = set()  # (id(TracedRows), row)
+
+
+def _dynamo_fake_code():
+    try:
+        from torch._dynamo.utils import get_fake_value
+        return get_fake_value.__code__
+    except (ImportError, AttributeError):  # pragma: no cover - a torch without it
+        return None
+
+
+# The fake kernel runs in several passes over a graph: dynamo's trace (its fake values are the
+# user's tensors, with their in-place history), then AOT autograd's and inductor's, whose
+# functionalized fakes have version counters of their own. Only dynamo's pass says whether an input
+# was changed in place, and it is the one that runs under dynamo's get_fake_value.
+_DYNAMO_FAKE_CODE = _dynamo_fake_code()
+LEAF_STAMPS = _DYNAMO_FAKE_CODE is not None  # (without it: every module stamps its inputs before its forward)
+
+
+def _in_dynamo_trace() -> bool:
+    frame, depth = sys._getframe(2), 0
+    while frame is not None and depth < 64:
+        if frame.f_code is _DYNAMO_FAKE_CODE:
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> None:
     """What one traced ``stamp_rows_`` writes -- its rows' labels, dtypes and static shapes --
     noted while the graph is traced (called by the op's fake kernel, nanscan/_ops.py: the traced
     hook itself makes no Python call for it, because every call dynamo traces costs compile time).
-    A symbolic (dynamic) shape is not noted: the hook writes it into the row at run time."""
+    A symbolic (dynamic) shape is not noted: the hook writes it into the row at run time.
+
+    A leaf module's inputs are stamped after its forward, with its outputs (one graph op per module
+    instead of two). Their record is the value the module received only if nothing changed them in
+    place during its forward; fake tensors carry version counters, so that is decided here: an
+    input row is trusted when its tensor's version is the one an earlier stamp saw, or 0 if none
+    saw it. Otherwise the row is kept ``stale`` (never an incident; a value computed from it gets
+    ``produced=None``): nanscan cannot tell what the module received."""
     names = labels.split(_LABEL_SEP) if labels else []
+    rows = _ROWS.get(owner) if LEAF_STAMPS and _in_dynamo_trace() else None
     for k, t in enumerate(values):
-        key = (owner, first_row + k)
+        row = first_row + k
+        key = (owner, row)
         label = names[k] if k < len(names) and names[k] else None
         if label is None:  # the row's own name (or, for a tap's gradient row, the label noted at the tap)
             label = _NOTES.get(key, (None, None))[0]
@@ -84,6 +125,11 @@ def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> No
         shape = tuple(t.shape)
         if all(type(s) is int for s in shape):
             _SHAPES[key] = shape
+        if rows is not None:  # (dynamo's pass)
+            version = t._version
+            if row < len(rows.rows) and rows.rows[row].post_time and _VERSIONS.get(t, 0) != version:
+                _UNTRUSTED.add(key)
+            _VERSIONS[t] = version
     _TRACED.add(owner)
 
 
@@ -120,7 +166,7 @@ def drop_graphs_compiled_without_hooks(model: torch.nn.Module) -> int:
 
 class _RowInfo:
     __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind", "module",
-                 "weight_input")
+                 "weight_input", "post_time")
 
     def __init__(self, name, info, inputs, candidate, derived, is_output, index, phase="forward", kind="activation",
                  module=None):
@@ -131,9 +177,31 @@ class _RowInfo:
         # forward inputs and the gradients of its outputs).
         self.module = module
         self.weight_input = (phase == "forward" and not is_output) or (phase == "backward" and is_output)
+        self.post_time = False  # an input row of a leaf, stamped after its forward (see _noted_at_trace)
 
 
-_ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward
+_ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward and the trace-time notes
+
+
+def _mark_leaves(infos: list, by_name: dict, compiled_grads: bool) -> None:
+    """Set ``info.leaf``: the module's inputs are stamped with its outputs, after its forward.
+    True for a module with no hooked descendant (no other hook runs between its pre-hook and its
+    hook, so the rows keep production order), that is not the root (its input rows are the batch)
+    and does not work in place; never with gradient taps (they wrap inputs before the forward)."""
+    has_child = set()
+    for info in infos:
+        if info.is_root or (type(info.module()) is torch.nn.Identity):
+            continue
+        name = info.name
+        while "." in name:
+            name = name.rpartition(".")[0]
+            if name in has_child:
+                break
+            has_child.add(name)
+        else:
+            has_child.add(ROOT_NAME)
+    for info in infos:
+        info.leaf = LEAF_STAMPS and not (compiled_grads or info.is_root or info.inplace or info.name in has_child)
 
 
 class _Tap(torch.autograd.Function):
@@ -153,6 +221,8 @@ class _Tap(torch.autograd.Function):
 
 
 class TracedRows:
+    INPUTS, OUTPUTS = INPUTS, OUTPUTS
+
     def __init__(self, monitor, infos: list, kernels_for):
         self.monitor = monitor
         self.kernels_for = kernels_for  # device -> (summarize one, summarize many)
@@ -161,9 +231,14 @@ class TracedRows:
         self.default_kernels = False
         self.buffer: Optional[torch.Tensor] = None
         self.counter: Optional[torch.Tensor] = None
+        self.model = monitor.model
+        # The traced hooks' fast path is open: this step records activations, with the default
+        # kernels and no gradient taps (set_recording; dynamo guards on it, as on the rest).
+        self.stamping = False
         base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
         self.rows: list = []
         by_name = {info.name: info for info in infos}
+        _mark_leaves(infos, by_name, compiled_grads=monitor.compiled_grads)
         for info in infos:
             base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
@@ -174,6 +249,9 @@ class TracedRows:
                     self.rows.append(_RowInfo(f"{info.name}.input[{k}]", info, (), False, False, False, k, module=info))
                 else:
                     self.rows.append(_RowInfo(parent.name, parent, parent_inputs, True, True, False, k, module=info))
+            if info.leaf:
+                for row in self.rows[-INPUTS:]:
+                    row.post_time = True
             own_inputs = tuple(range(base[info.name], base[info.name] + INPUTS))
             for k in range(OUTPUTS):
                 self.rows.append(_RowInfo(info.name if k == 0 else f"{info.name}[output {k}]", info, own_inputs,
@@ -195,6 +273,14 @@ class TracedRows:
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
             self.record_one, self.record_many = self.kernels_for(device)
             self.default_kernels = self.record_many is torch.ops.nanscan.summarize_many.default
+            self.set_recording()
+
+    def set_recording(self) -> None:
+        """Open or close the traced hooks' fast path for this step (the monitor calls it whenever
+        ``checking`` or ``_closed`` changes)."""
+        m = self.monitor
+        self.stamping = bool(m.activations and m.checking and not m._closed and self.default_kernels
+                             and not m.compiled_grads)
 
     @property
     def used(self) -> bool:
@@ -202,6 +288,8 @@ class TracedRows:
         return id(self) in _TRACED
 
     def forget(self) -> None:
+        self.stamping = False
+        _UNTRUSTED.difference_update([k for k in _UNTRUSTED if k[0] == id(self)])
         for notes in (_NOTES, _SHAPES):
             for key in [k for k in notes if k[0] == id(self)]:
                 del notes[key]
@@ -236,14 +324,38 @@ class TracedRows:
             records = records.detach()
         torch.ops.nanscan.stamp_rows_(self.buffer, self.counter, values, records, first_row, id(self), labels)
         for k, t in enumerate(values):
-            for size in t.shape:
-                if type(size) is not int:  # a symbolic shape: written at run time (static ones are noted)
-                    view = self.buffer[first_row + k]
-                    view[NUMEL] = t.numel()
-                    view[NDIM] = t.dim()
-                    for d in range(min(t.dim(), MAX_DIMS)):
-                        view[DIMS + d] = t.shape[d]
-                    break
+            if type(t.numel()) is not int:  # a symbolic shape: written at run time (static ones are noted)
+                self.write_shape(first_row + k, t)
+
+    def write_shape(self, row: int, t) -> None:
+        """A symbolic (dynamic) shape into ``row``, as graph ops (a static one is noted at trace time).
+        The hooks ask ``type(t.numel()) is not int``: dynamo folds it to a constant."""
+        view = self.buffer[row]
+        view[NUMEL] = t.numel()
+        view[NDIM] = t.dim()
+        for d in range(min(t.dim(), MAX_DIMS)):
+            view[DIMS + d] = t.shape[d]
+
+    def write_leaf(self, info, args, kwargs, output):
+        """A leaf's inputs and outputs after its forward, in one stamp: the inputs into the last of
+        its input rows, the outputs right after (see _noted_at_trace for when an input row is
+        trusted). Only without gradient taps (which must wrap the inputs before the forward)."""
+        if not self._recording():
+            return None
+        values, labels = [], []
+        for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
+            for i in keys:
+                found = float_tensors(container[i], f"input[{i}]" if container is args else f"input.{i}", [])
+                for _, t in found:
+                    if len(values) < INPUTS:
+                        values.append(t)
+                        labels.append("")
+        n_in = len(values)
+        found = float_tensors(output, "", [])[:OUTPUTS]
+        values += [t for _, t in found]
+        labels += [info.name + label for label, _ in found]
+        self._write_rows(info.row_base + INPUTS - n_in, values, _LABEL_SEP.join(labels))
+        return None
 
     def write_inputs(self, info, args, kwargs):
         """Record the module's first floating inputs; tap the top-level ones that require grad.
@@ -335,6 +447,7 @@ class TracedRows:
             slot = Slot(step, r.phase if phase == "forward" else phase, r.kind, name, dtype, shape,
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
+            slot.stale = (id(self), row) in _UNTRUSTED
             index_of_row[row] = len(slots)
             if r.weight_input and r.module is not None:
                 weight_inputs.setdefault(r.module.name, []).append(len(slots))
