@@ -16,6 +16,16 @@ own body (the same rule as eager, decided from the records instead of from ident
 are ``derived`` candidates named after the parent. Output labels (``[0].y``) are noted once, at
 trace time.
 
+Compile time is dynamo tracing the hooks (every line, at every module call) and AOT autograd
+functionalizing each ``stamp_rows_``. So the common call (``module(x) -> tensor``) takes a fast
+path of a few traced lines (``EagerHooks._pre_hook`` / ``_post_hook``), and a *leaf* module (no
+hooked descendant, not in place, not the root) makes one stamp per call: its inputs are stamped
+with its outputs, after its forward -- no other hook runs in between, so production order is
+kept. What the leaf received is its input's value then only if its forward did not change it in
+place: dynamo's fake tensors carry version counters, and an input row whose tensor changed since
+an earlier stamp saw it (or that no stamp saw, with a version above 0) is kept ``stale`` --
+"cannot tell", never a guess (``_noted_at_trace``). Watched / unwatched compile time: README.
+
 Gradients (``watch(..., compiled_grads=True)``, off by default): tensor hooks cannot be registered
 inside a graph, so the traced hooks put a tap (an identity autograd Function, :class:`_Tap`, whose
 output is a view: autograd then forbids in-place ops on it, so a model that modifies module inputs
