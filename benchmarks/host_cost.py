@@ -95,12 +95,15 @@ def measure(steps: int = 50, rounds: int = 7, warmup: int = 3, explicit_step: bo
             device: str = "cpu") -> dict:
     """Median seconds per step of each variant, plus the module count and the last mon.step_index.
 
-    Each round, every variant (own model instance) is set up (hooks / watch), warmed up for
+    Each round, every variant is set up on the same model (hooks / watch), warmed up for
     ``warmup`` steps (the first step of a watched every=1000 variant is its checked one), timed for
-    ``steps`` steps and torn down (monitor closed), so only one monitor exists at a time."""
+    ``steps`` steps and torn down (monitor closed, hooks removed), so only one monitor exists at a
+    time. One model for all: separate instances differ by a few percent in step time by where
+    their tensors landed in memory, as much as the hooks cost."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     variants = _variants()
-    models = {name: make_host_bound(device=device) for name in variants}
+    shared = make_host_bound(device=device)
+    models = {name: shared for name in variants}
     times = {name: [] for name in variants}
     step_index = {}
     names = list(variants)

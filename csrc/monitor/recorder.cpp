@@ -35,6 +35,7 @@
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
 //     fast_hooks() -> (pre, post): pre(info, module, args, kwargs), post(info, module, args, kwargs,
 //       output) as plain C functions
+//     set_post_only(flags): modules hooked by post alone (it does their pre() work first)
 //     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
 //     owner.model_loss(output) are called back for the rare events
 #include "grad_sink.h"
@@ -506,7 +507,17 @@ class Hooks {
     stack_.push_back({fid, &w, w.generation});
   }
 
-  void post(int64_t idx, py::handle module, py::handle /*args*/, py::handle /*kwargs*/, py::handle output) {
+  // A module with no pre-hook (set_post_only: a torch.nn leaf that does not work in place) has its
+  // inputs handled here, before its outputs: no other hook ran since its call began, and its
+  // forward did not change them, so the records and the production order are what pre() would
+  // have made -- for one Python hook frame less per call.
+  void set_post_only(const std::vector<bool>& flags) {
+    TORCH_CHECK(flags.size() == infos_.size(), "nanscan: set_post_only needs one flag per module");
+    post_only_.assign(flags.begin(), flags.end());
+  }
+
+  void post(int64_t idx, py::handle module, py::handle args, py::handle kwargs, py::handle output) {
+    if (!post_only_.empty() && post_only_.at(idx)) pre(idx, module, args, kwargs);
     const Info& info = infos_.at(idx);
     if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;
     if (stack_.empty()) return;
@@ -583,6 +594,7 @@ class Hooks {
   }
 
   std::vector<Info> infos_;
+  std::vector<uint8_t> post_only_;
   std::shared_ptr<std::vector<uint8_t>> eager_;
   std::shared_ptr<Window> forward_, eval_;
   std::shared_ptr<GradSink> sink_;
@@ -759,6 +771,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fast_hooks", [](const std::shared_ptr<Hooks>& self) { return fast_hooks(self); },
            "(pre, post) with the same arguments, as plain functions (no pybind11 dispatch per call)")
       .def("reset", &Hooks::reset)
+      .def("set_post_only", &Hooks::set_post_only)
       .def("release", &Hooks::release)
       .def_property_readonly("phase", &Hooks::phase)
       .def_property_readonly("root_outputs", &Hooks::root_outputs)

@@ -128,7 +128,7 @@ class EagerHooks:
         self._pre, self._post = self.cpp.fast_hooks()  # (plain C functions: no pybind11 dispatch per call)
 
     def install(self) -> list:
-        handles = []
+        handles, post_only = [], [False] * len(self.infos)
         for info in self.infos:
             module = info.module()
             if type(module) is torch.nn.Identity and not info.is_root:
@@ -136,12 +136,30 @@ class EagerHooks:
                 # timm puts dozens in every model (layer scale, drop path, q/k norm when off), and
                 # each hooked module costs host time per step and dynamo time per compile.
                 continue
+            post_only[info.index] = self._post_only(info, module)
+        self.cpp.set_post_only(post_only)
+        for info in self.infos:
+            module = info.module()
+            if type(module) is torch.nn.Identity and not info.is_root:
+                continue
             pre, post = self._pre_hook(info), self._post_hook(info)
             if info.is_root:
                 pre, post = _root_hooks(pre, post)
-            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            if not post_only[info.index]:
+                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(module.register_forward_hook(post, with_kwargs=True))
         return handles
+
+    @staticmethod
+    def _post_only(info: ModuleInfo, module: torch.nn.Module) -> bool:
+        """A module hooked by its forward hook alone: a leaf (``info.leaf``: no hooked descendant,
+        not the root, not in place, no gradient taps) whose class is torch.nn's own. Its inputs are
+        then recorded after its forward (the C++ post does the pre-hook's work first), which is
+        right only if the forward did not change them in place -- true of torch.nn's modules
+        without an ``inplace`` flag, not known of user-defined ones (they keep the pre-hook).
+        Saves one Python hook frame per call, in eager (host time) and under dynamo (compile
+        time): most modules of real models are torch.nn leaves."""
+        return info.leaf and type(module).__module__.startswith("torch.nn.modules.")
 
     def close(self) -> None:
         self.cpp.release()  # (the C++ side holds this object: the cycle ends here)
