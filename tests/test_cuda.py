@@ -208,19 +208,26 @@ def test_two_streams_in_parallel():
     assert all(torch.equal(row, rows_b[0]) for row in rows_b) and torch.equal(replayed, rows_b[0])
 
 
+def second_call_on_gpu(call) -> list:
+    """Names of what ran on the GPU during the second of two calls (the first warms caches up);
+    skips where the profiler sees no GPU activity (CUPTI unavailable)."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not on_gpu:
+        pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
+    return on_gpu
+
+
 @CUDA_KERNEL
 def test_single_tensor_is_one_launch():
     """No combine launch: the last block of the one kernel writes the record (the stream's ticket
     exists after the first call, so no memset either)."""
     x = planted(1 << 22)
-    nanscan.record(x, backend="cuda")
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        nanscan.record(x, backend="cuda")
-        torch.cuda.synchronize()
-    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not on_gpu:
-        pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
+    on_gpu = second_call_on_gpu(lambda: nanscan.record(x, backend="cuda"))
     assert len(on_gpu) == 1 and "summarize_kernel" in on_gpu[0], on_gpu
 
 
@@ -306,13 +313,6 @@ def test_many_cache_hit_copies_nothing():
     """The second call on the same list (a cached table) issues no host-to-device copy: only the scan
     and combine kernels of each dtype group run on the GPU."""
     xs = many_tensors()
-    nanscan.records(xs, backend="cuda")
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        nanscan.records(xs, backend="cuda")
-        torch.cuda.synchronize()
-    on_gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not on_gpu:
-        pytest.skip("the profiler recorded no GPU activity here (CUPTI unavailable)")
+    on_gpu = second_call_on_gpu(lambda: nanscan.records(xs, backend="cuda"))
     assert not any("memcpy" in name.lower() for name in on_gpu), on_gpu
     assert sum("scan_many_kernel" in name for name in on_gpu) == 2, on_gpu

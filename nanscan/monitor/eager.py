@@ -82,6 +82,14 @@ class ModuleInfo:
         self.leaf = False  # its traced inputs are stamped with its outputs (set by TracedRows)
 
 
+def hooked(info: ModuleInfo) -> bool:
+    """Whether a module gets hooks: all but ``nn.Identity`` (other than the root). An Identity returns
+    its input: it records nothing, makes no value and no gradient, and timm puts dozens in every
+    model (layer scale, drop path, q/k norm when off), while each hooked module costs host time per
+    step and dynamo time per compile."""
+    return info.is_root or type(info.module()) is not torch.nn.Identity
+
+
 def _root_hooks(pre, post):
     """The root's hooks as functions with code objects of their own (see _run_eagerly_as_frame)."""
 
@@ -129,19 +137,12 @@ class EagerHooks:
 
     def install(self) -> list:
         handles, post_only = [], [False] * len(self.infos)
-        for info in self.infos:
-            module = info.module()
-            if type(module) is torch.nn.Identity and not info.is_root:
-                # Returns its input: it records nothing, makes no value and no gradient. Not hooked:
-                # timm puts dozens in every model (layer scale, drop path, q/k norm when off), and
-                # each hooked module costs host time per step and dynamo time per compile.
-                continue
-            post_only[info.index] = self._post_only(info, module)
+        installed = [info for info in self.infos if hooked(info)]
+        for info in installed:
+            post_only[info.index] = self._post_only(info, info.module())
         self.cpp.set_post_only(post_only)
-        for info in self.infos:
+        for info in installed:
             module = info.module()
-            if type(module) is torch.nn.Identity and not info.is_root:
-                continue
             pre, post = self._pre_hook(info), self._post_hook(info)
             if info.is_root:
                 pre, post = _root_hooks(pre, post)
@@ -248,22 +249,17 @@ class EagerHooks:
                 if dynamo_compiling() or compiler._is_compiling_flag:
                     if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor \
                             and type(output) is Tensor and grad_enabled() and model.training:
-                        t = args[0]
+                        # The input into the last input row, the output into the first output row.
+                        t, first, values = args[0], row, []
                         if t.is_floating_point() or t.is_complex():
-                            if output.is_floating_point() or output.is_complex():
-                                stamp(traced.buffer, traced.counter, [t, output], None, row - 1, owner, "")
-                                if type(t.numel()) is not int:
-                                    traced.write_shape(row - 1, t)
-                                if type(output.numel()) is not int:
-                                    traced.write_shape(row, output)
-                            else:
-                                stamp(traced.buffer, traced.counter, [t], None, row - 1, owner, "")
-                                if type(t.numel()) is not int:
-                                    traced.write_shape(row - 1, t)
-                        elif output.is_floating_point() or output.is_complex():
-                            stamp(traced.buffer, traced.counter, [output], None, row, owner, "")
-                            if type(output.numel()) is not int:
-                                traced.write_shape(row, output)
+                            first, values = row - 1, [t]
+                        if output.is_floating_point() or output.is_complex():
+                            values.append(output)
+                        if values:
+                            stamp(traced.buffer, traced.counter, values, None, first, owner, "")
+                            for k, v in enumerate(values):
+                                if type(v.numel()) is not int:
+                                    traced.write_shape(first + k, v)
                         return None
                     return traced.write_leaf(info, args, kwargs, output)
                 post(index, module, args, kwargs, output)

@@ -48,7 +48,7 @@ from typing import Optional
 import torch
 
 from nanscan import _ops
-from nanscan.monitor.eager import ROOT as ROOT_NAME, float_tensors
+from nanscan.monitor.eager import ROOT as ROOT_NAME, float_tensors, hooked
 from nanscan.monitor.slots import Slot
 from nanscan.record import RECORD_SIZE
 
@@ -193,14 +193,14 @@ class _RowInfo:
 _ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward and the trace-time notes
 
 
-def _mark_leaves(infos: list, by_name: dict, compiled_grads: bool) -> None:
+def _mark_leaves(infos: list, compiled_grads: bool) -> None:
     """Set ``info.leaf``: the module's inputs are stamped with its outputs, after its forward.
     True for a module with no hooked descendant (no other hook runs between its pre-hook and its
     hook, so the rows keep production order), that is not the root (its input rows are the batch)
     and does not work in place; never with gradient taps (they wrap inputs before the forward)."""
     has_child = set()
     for info in infos:
-        if info.is_root or (type(info.module()) is torch.nn.Identity):
+        if info.is_root or not hooked(info):
             continue
         name = info.name
         while "." in name:
@@ -242,13 +242,14 @@ class TracedRows:
         self.buffer: Optional[torch.Tensor] = None
         self.counter: Optional[torch.Tensor] = None
         self.model = monitor.model
-        # The traced hooks' fast path is open: this step records activations, with the default
-        # kernels and no gradient taps (set_recording; dynamo guards on it, as on the rest).
-        self.stamping = False
+        # This step records activations (``recording``); and with the default kernels and no
+        # gradient taps, through the hooks' fast path (``stamping``). Set by set_recording: dynamo
+        # guards on each as on one constant, where the monitor's state would be several.
+        self.recording = self.stamping = False
         base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
         self.rows: list = []
         by_name = {info.name: info for info in infos}
-        _mark_leaves(infos, by_name, compiled_grads=monitor.compiled_grads)
+        _mark_leaves(infos, compiled_grads=monitor.compiled_grads)
         for info in infos:
             base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
@@ -289,8 +290,8 @@ class TracedRows:
         """Open or close the traced hooks' fast path for this step (the monitor calls it whenever
         ``checking`` or ``_closed`` changes)."""
         m = self.monitor
-        self.stamping = bool(m.activations and m.checking and not m._closed and self.default_kernels
-                             and not m.compiled_grads)
+        self.recording = bool(m.activations and m.checking and not m._closed)
+        self.stamping = self.recording and self.default_kernels and not m.compiled_grads
 
     @property
     def used(self) -> bool:
@@ -298,7 +299,7 @@ class TracedRows:
         return id(self) in _TRACED
 
     def forget(self) -> None:
-        self.stamping = False
+        self.recording = self.stamping = False
         _UNTRUSTED.difference_update([k for k in _UNTRUSTED if k[0] == id(self)])
         for notes in (_NOTES, _SHAPES):
             for key in [k for k in notes if k[0] == id(self)]:
@@ -308,8 +309,7 @@ class TracedRows:
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
-        m = self.monitor
-        return m.activations and m.checking and not m._closed and torch.is_grad_enabled() and m.model.training
+        return self.recording and torch.is_grad_enabled() and self.model.training
 
     def _write_rows(self, first_row: int, values: list, labels: str = "") -> None:
         """One hook's values into consecutive rows from ``first_row``: two graph ops per hook, their
