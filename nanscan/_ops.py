@@ -15,7 +15,9 @@ reference   (no op: plain PyTorch)                     nanscan/kernels/reference
 
 ``nanscan::stamp_rows_`` is not a summary: the monitor's compiled path writes the records of one
 hook into rows of its buffer with it (one graph node per hook; csrc/monitor/stamp_rows.cpp, one
-composite kernel for every device).
+composite kernel for every device). ``nanscan::stamp_grad`` does the same for one gradient in a
+compiled backward, into a buffer named by ``nanscan._C.set_stamp_target`` (effectful: kept by the
+compiler, in order).
 
 The library is loaded at ``import nanscan`` (a dlopen and a few registrations). When it is missing
 or stale the import still succeeds, the error is kept, and it is raised -- loudly, with the fix --
@@ -38,7 +40,7 @@ from nanscan.record import RECORD_SIZE
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(PACKAGE_DIR)
 BACKENDS = ("cpu", "cuda", "triton", "reference")
-OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_")
+OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_", "stamp_grad")
 REBUILD_HINT = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the nanscan checkout"
 
 
@@ -128,8 +130,19 @@ def _fake_stamp_rows(buffer, counter, values, records, first_row, owner, labels)
         STAMP_TRACED(owner, first_row, values, labels)
 
 
+def _fake_stamp_grad(grad, record, owner, row, label) -> None:
+    """As ``_fake_stamp_rows``, for one gradient row."""
+    if STAMP_TRACED is not None:
+        STAMP_TRACED(owner, row, [grad], label)
+
+
 def _register_python_kernels() -> None:
     torch.library.register_fake("nanscan::stamp_rows_")(_fake_stamp_rows)
+    torch.library.register_fake("nanscan::stamp_grad")(_fake_stamp_grad)
+    # stamp_grad writes a buffer the compiler cannot see (not an argument: see stamp_rows.cpp): an
+    # ordered effect keeps it in the graph, in order.
+    from torch._library.effects import EffectType
+    torch.library._register_effectful_op("nanscan::stamp_grad", EffectType.ORDERED)
     torch.library.register_fake("nanscan::summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::triton_summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::summarize_many")(_fake_summarize_many)

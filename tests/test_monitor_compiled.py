@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 import nanscan
+from nanscan.monitor.traced import GRAD_HOOKS
 from tests.test_monitor import GatedNet, Odd, SqrtGate
-from tests.test_monitor_loops import AttnNet, Net, SqNet, key
+from tests.test_monitor_loops import AttnNet, Net, SqNet, SqrtZero, key
 
 BACKENDS = ["aot_eager", "inductor"]
 
@@ -345,15 +346,78 @@ def test_in_place_ops_on_module_outputs_compile_with_the_default_options(fullgra
     assert key(compiled) == (2, "forward", "(model)", "activation", True)
 
 
-def test_compiled_backward_fault_without_taps_is_not_guessed():
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_backward_fault_with_the_default_options(backend, fullgraph):
+    # Default: a tensor hook on every module output, traced into the graph where this torch can
+    # (GRAD_HOOKS), so a backward-only fault is named like eager; elsewhere nanscan says it
+    # cannot tell (the first non-finite parameter gradient, produced=None), never a guess.
     def plant(m, i):
         m.fault = i == 1
         return torch.randn(4, 8)
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    inc, _ = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True))
-    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
+    eager, compiled = eager_and_compiled(SqNet, 3, plant, dict(backend=backend, fullgraph=fullgraph))
+    assert key(eager) == (1, "backward", "sq", "grad", True)
+    if GRAD_HOOKS:
+        assert incident_tuple(compiled) == incident_tuple(eager)
+    else:
+        assert (compiled.step, compiled.phase, compiled.kind, compiled.produced) == (1, "backward", "grad", None)
+
+
+class SqAfterInPlace(InPlace):
+    """InPlace with a backward-only fault consuming the in-place ReLU's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.sq = SqrtZero()
+
+    def forward(self, x):
+        out = self.lin(x)
+        out += x
+        out = self.act(out)
+        return self.head(self.sq(out) if self.fault else out)
+
+
+@pytest.mark.skipif(not GRAD_HOOKS, reason="this torch traces no tensor hook into a graph")
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_backward_fault_after_in_place_ops_is_named_like_eager(fullgraph):
+    # The gradient hooks leave module outputs as they are (no view, unlike taps): in-place ops on
+    # them compile, and the hook on `lin`'s output receives the gradient of the value it made.
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(SqAfterInPlace, 3, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert key(eager) == (1, "backward", "sq", "grad", True)
+
+
+class _NoUpdate(torch.optim.SGD):
+    """An optimizer whose step leaves the weights alone (non-finite gradients then poison nothing)."""
+
+    def __init__(self, model):
+        super().__init__(model.parameters(), lr=0.1)
+
+    def step(self, closure=None):
+        return None
+
+
+@pytest.mark.skipif(not GRAD_HOOKS, reason="this torch traces no tensor hook into a graph")
+def test_a_gradient_whose_consumer_differs_between_graphs_is_named_after_the_graph_that_ran():
+    # The same rows are written by two graphs of different structure (SqNet's fault flag switches
+    # between them every step: `inp`'s output goes to `head` in one, to `sq` in the other). Only the
+    # notes of the graph that ran apply: each faulty step is named `sq`, produced, like eager.
+    def plant(m, i):
+        m.fault = i % 2 == 1
+        return torch.randn(4, 8)
+
+    incidents = []
+    for compile_kw in (None, dict(backend="aot_eager", fullgraph=True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        _, mon = run(SqNet(), 5, plant, compile_kw, make_opt=_NoUpdate, on_nonfinite="record")
+        incidents.append([key(inc) for inc in mon.incidents])
+    assert incidents[1] == incidents[0] == [(s, "backward", "sq", "grad", True) for s in (1, 3)]
 
 
 @pytest.mark.parametrize("same_instance", [False, True])

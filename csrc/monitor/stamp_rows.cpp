@@ -20,9 +20,24 @@
 // device. `owner` and `labels` are not used here: the fake kernel (nanscan/_ops.py) hands them,
 // with the values' dtypes and shapes, to the monitor when the graph is traced -- the one moment
 // Python runs -- so nothing else is noted per hook. One composite kernel serves every device.
+//
+// nanscan::stamp_grad : the same write for one gradient, in a compiled graph's backward (a tensor
+// hook on a module output, or a tap). Its buffer and counter are not arguments but found by
+// `owner`: tensors a hook captures become inputs the forward graph saves for its backward, and
+// autograd checks their version at the backward -- which a later graph's stamps (graph breaks,
+// several compiled regions per step) have moved on, failing the backward. So the monitor names
+// its buffer once (`set_stamp_target`), and the op, having no tensor to mutate that the compiler
+// can see, is registered as effectful (nanscan/_ops.py: kept, and kept in order).
+//
+//   stamp_grad(grad, record, owner, row, label) = stamp_rows_(buffer[owner], counter[owner], [grad], record, row, ...)
+//   (nothing when no buffer is named for owner: its monitor was closed)
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <utility>
 
 namespace nanscan {
 
@@ -60,8 +75,38 @@ void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
   counter.add_(n);
 }
 
+namespace {
+std::mutex targets_mutex;
+std::unordered_map<int64_t, std::pair<at::Tensor, at::Tensor>> targets;  // owner -> (buffer, counter)
+}  // namespace
+
+void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, const c10::optional<at::Tensor>& counter) {
+  std::lock_guard<std::mutex> lock(targets_mutex);
+  if (buffer.has_value() && buffer->defined() && counter.has_value() && counter->defined()) {
+    targets[owner] = {*buffer, *counter};
+  } else {
+    targets.erase(owner);
+  }
+}
+
+void stamp_grad(const at::Tensor& grad, const c10::optional<at::Tensor>& record, int64_t owner, int64_t row,
+                c10::string_view label) {
+  at::Tensor buffer, counter;
+  {
+    std::lock_guard<std::mutex> lock(targets_mutex);
+    auto found = targets.find(owner);
+    if (found == targets.end()) return;
+    buffer = found->second.first;
+    counter = found->second.second;
+  }
+  c10::optional<at::Tensor> records;
+  if (record.has_value() && record->defined()) records = record->reshape({1, -1}).to(buffer.device());
+  stamp_rows_(buffer, counter, {grad}, records, row, owner, label);
+}
+
 }  // namespace nanscan
 
 TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
   m.impl("stamp_rows_", &nanscan::stamp_rows_);
+  m.impl("stamp_grad", &nanscan::stamp_grad);
 }

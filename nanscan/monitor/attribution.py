@@ -42,7 +42,7 @@ def _consumer(slots, slot):
     frames = forward.consumers or ()
     incoming = tuple(at(slots, o).grad for f in frames for o in f.outputs if at(slots, o).grad is not None)
     if len(frames) == 1:
-        return frames[0].info.name, incoming, True
+        return frames[0].info.name, incoming, frames[0].complete
     return slot.name, incoming, False
 
 

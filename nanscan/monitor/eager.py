@@ -235,6 +235,7 @@ class EagerHooks:
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp_rows_, torch.Tensor, torch.is_grad_enabled
         row, owner, model = info.row_base + traced.INPUTS, id(traced), traced.model  # (its first output row)
+        grad_hook = traced.grad_hook(info, 0) if traced.grad_hooks else None  # (the gradient into its output)
 
         if info.is_root:
             def post_hook(module, args, kwargs, output):
@@ -255,6 +256,8 @@ class EagerHooks:
                             first, values = row - 1, [t]
                         if output.is_floating_point() or output.is_complex():
                             values.append(output)
+                            if grad_hook is not None and output.requires_grad:
+                                output.register_hook(grad_hook)
                         if values:
                             stamp(traced.buffer, traced.counter, values, None, first, owner, "")
                             for k, v in enumerate(values):
@@ -271,6 +274,8 @@ class EagerHooks:
                             stamp(traced.buffer, traced.counter, [output], None, row, owner, "")
                             if type(output.numel()) is not int:
                                 traced.write_shape(row, output)
+                            if grad_hook is not None and output.requires_grad:
+                                output.register_hook(grad_hook)
                         return None
                     return traced.write_outputs(info, output)
                 post(index, module, args, kwargs, output)

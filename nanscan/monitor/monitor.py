@@ -607,13 +607,12 @@ class Monitor:
         bad = copy.bad
         position = None
         if copy.traced is not None:
-            traced_slots, traced_values, weight_inputs = self.traced.slots(copy.traced, step)
             offset = len(slots)
-            for t in traced_slots:
-                t.inputs = tuple(offset + j for j in t.inputs)
-            if self.compiled_grads:  # weights of compiled modules: their forward inputs and output gradients
+            traced_slots, traced_values, weight_inputs = self.traced.slots(copy.traced, step, offset)
+            if self.compiled_grads or self.traced.grad_hooks:
+                # weights of compiled modules: their forward inputs and output gradients
                 for block in {s for s in slots if type(s) is Block and s.param}:
-                    block.extra_inputs = {name: tuple(offset + j for j in rows) for name, rows in weight_inputs.items()}
+                    block.extra_inputs = {name: tuple(rows) for name, rows in weight_inputs.items()}
             slots = list(slots) + traced_slots
             bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
             row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])

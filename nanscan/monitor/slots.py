@@ -105,12 +105,14 @@ class GradBlock(Block):
 
 
 class Call:
-    """One recorded module call, as attribution sees it: the module and the entries of its outputs."""
+    """One recorded module call, as attribution sees it: the module and the entries of its outputs.
+    ``complete``: False when the gradient of one of its outputs that needed one was not recorded
+    (what flowed into its backward is then unknown)."""
 
-    __slots__ = ("info", "outputs")
+    __slots__ = ("info", "outputs", "complete")
 
-    def __init__(self, info, outputs):
-        self.info, self.outputs = info, outputs
+    def __init__(self, info, outputs, complete=True):
+        self.info, self.outputs, self.complete = info, outputs, complete
 
 
 # Row kinds of csrc/monitor/recorder.cpp.

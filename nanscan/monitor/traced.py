@@ -49,7 +49,7 @@ import torch
 
 from nanscan import _ops
 from nanscan.monitor.eager import ROOT as ROOT_NAME, float_tensors, hooked
-from nanscan.monitor.slots import Slot
+from nanscan.monitor.slots import Call, Slot
 from nanscan.record import RECORD_SIZE
 
 INPUTS, OUTPUTS = 2, 8
@@ -60,6 +60,23 @@ SEQ, NUMEL, NDIM, DIMS = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2, RECORD_S
 COLUMNS = DIMS + MAX_DIMS
 
 _NOTES: dict = {}  # (id(TracedRows), row) -> (label or None, dtype), noted at trace time
+
+
+def _hooks_trace_into_graphs() -> bool:
+    """Whether dynamo traces ``tensor.register_hook`` on a value made inside the graph into the graph
+    itself (the ``register_hook`` higher-order op: the hook fires on the tensor's gradient in
+    AOT autograd's backward graph, and the tensor may then be changed in place, as in eager).
+    Older torch (2.11 included) rewrites such a hook into an autograd Function whose output is a
+    view, which in-place ops on module outputs (every resnet) cannot compile with."""
+    try:
+        import torch._higher_order_ops.register_hook  # noqa: F401
+        return True
+    except ImportError:  # pragma: no cover - older torch: the gradients of compiled modules are not recorded
+        return False
+
+
+# Gradients inside compiled graphs by default: a tensor hook on every recorded module output.
+GRAD_HOOKS = _hooks_trace_into_graphs()
 
 
 @torch._dynamo.assume_constant_result
@@ -84,6 +101,28 @@ _LABEL_SEP = "\x1f"
 # that cannot be trusted (see _noted_at_trace).
 _VERSIONS = torch.utils.weak.WeakIdKeyDictionary()
 _UNTRUSTED: set = set()  # (id(TracedRows), row)
+
+# Which module took which recorded output as an input (dynamo's fake tensors have identity while a
+# graph is traced; the compiled graph has none): the gradient flowing into an output was made by
+# the backward of the module(s) that consumed it -- as eager decides from the real tensors.
+# Notes are kept per trace (one dynamo trace of one frame: one graph): the same rows can be written by
+# graphs of different structure (a recompile), and only the notes of the graph that ran apply. Which
+# one ran is read from the rows themselves: a trace's forward rows, in the order it stamped them,
+# are a contiguous run of the rows written in the window (see TracedRows._traces_that_ran).
+_MADE_AT = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor -> {(id(TracedRows), output row)}: a
+# child's output that its parent returns unchanged is in two output rows
+_CONSUMERS: dict = {}  # (id(TracedRows), output row) -> {trace: names of the modules that took it as an input}
+_TRACE_ROWS: dict = {}  # (id(TracedRows), trace) -> the forward rows the trace stamped, in order
+_NEEDS_GRAD: set = set()  # (id(TracedRows), output row) of outputs that required grad when traced
+
+
+def _trace_id():
+    """The dynamo trace being made (its compile id and attempt: a restarted analysis is a trace of
+    its own), or None."""
+    try:
+        return torch._guards.CompileContext.current_trace_id()
+    except AttributeError:  # pragma: no cover - a torch without it: no trace is known to have run
+        return None
 
 
 def _dynamo_fake_code():
@@ -125,6 +164,7 @@ def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> No
     ``produced=None``): nanscan cannot tell what the module received."""
     names = labels.split(_LABEL_SEP) if labels else []
     rows = _ROWS.get(owner) if LEAF_STAMPS and _in_dynamo_trace() else None
+    trace = _trace_id() if rows is not None else None
     for k, t in enumerate(values):
         row = first_row + k
         key = (owner, row)
@@ -135,11 +175,21 @@ def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> No
         shape = tuple(t.shape)
         if all(type(s) is int for s in shape):
             _SHAPES[key] = shape
-        if rows is not None:  # (dynamo's pass)
+        if rows is not None and row < len(rows.rows):  # (dynamo's pass)
+            info = rows.rows[row]
             version = t._version
-            if row < len(rows.rows) and rows.rows[row].post_time and _VERSIONS.get(t, 0) != version:
+            if info.post_time and _VERSIONS.get(t, 0) != version:
                 _UNTRUSTED.add(key)
             _VERSIONS[t] = version
+            if info.phase == "forward" and trace is not None:
+                _TRACE_ROWS.setdefault((owner, trace), []).append(row)
+                if info.is_output:
+                    _MADE_AT.setdefault(t, set()).add(key)
+                    if t.requires_grad:
+                        _NEEDS_GRAD.add(key)
+                else:
+                    for made_at in _MADE_AT.get(t, ()):
+                        _CONSUMERS.setdefault(made_at, {}).setdefault(trace, set()).add(info.module.name)
     _TRACED.add(owner)
 
 
@@ -226,7 +276,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _ROWS[ctx.owner]._write_rows(ctx.row, [grad])
+        _ROWS[ctx.owner].write_grad(ctx.row, grad)
         return grad, None, None
 
 
@@ -250,6 +300,9 @@ class TracedRows:
         self.rows: list = []
         by_name = {info.name: info for info in infos}
         _mark_leaves(infos, compiled_grads=monitor.compiled_grads)
+        # Gradients inside graphs: a tensor hook per recorded output (GRAD_HOOKS), unless taps.
+        self.grad_hooks = GRAD_HOOKS and monitor.activation_grads and not monitor.compiled_grads
+        self.infos = {info.name: info for info in infos}
         for info in infos:
             base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
@@ -273,8 +326,8 @@ class TracedRows:
             for k in range(INPUTS):
                 self.rows.append(_RowInfo(info.name, info, output_grads, True, False, False, k, "backward", "grad",
                                           module=info))
-            for k in range(OUTPUTS):
-                self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), False, False, True, k,
+            for k in range(OUTPUTS):  # (with hooks, candidates: named after the output's consumer, see slots)
+                self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), self.grad_hooks, False, True, k,
                                           "backward", "grad", module=info))
         _ROWS[id(self)] = self
 
@@ -284,6 +337,7 @@ class TracedRows:
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
             self.record_one, self.record_many = self.kernels_for(device)
             self.default_kernels = self.record_many is torch.ops.nanscan.summarize_many.default
+            self.monitor._extension.set_stamp_target(id(self), self.buffer, self.counter)
             self.set_recording()
 
     def set_recording(self) -> None:
@@ -293,6 +347,25 @@ class TracedRows:
         self.recording = bool(m.activations and m.checking and not m._closed)
         self.stamping = self.recording and self.default_kernels and not m.compiled_grads
 
+    def grad_hook(self, info, k: int, label: str = ""):
+        """The tensor hook that records the gradient flowing into output ``k`` of ``info``'s module
+        (row label ``label``; "" for the row's own name) -- registered by the traced hooks on the
+        output, traced by dynamo into the graph (``GRAD_HOOKS``), run in its backward."""
+        row = info.row_base + INPUTS + OUTPUTS + INPUTS + k
+
+        def record_grad(grad):
+            self.write_grad(row, grad, label)
+
+        return record_grad
+
+    def write_grad(self, row: int, grad, label: str = "") -> None:
+        """A gradient's record into ``row``, inside a compiled backward: ``nanscan::stamp_grad``,
+        which finds the buffer by owner (csrc/monitor/stamp_rows.cpp says why it is no argument)."""
+        record = None if self.default_kernels and grad.device == self.buffer.device else self.record_one(grad)
+        torch.ops.nanscan.stamp_grad(grad, record, id(self), row, label)
+        if type(grad.numel()) is not int:
+            self.write_shape(row, grad)
+
     @property
     def used(self) -> bool:
         """A traced hook was compiled (the buffer is worth reading)."""
@@ -300,8 +373,11 @@ class TracedRows:
 
     def forget(self) -> None:
         self.recording = self.stamping = False
-        _UNTRUSTED.difference_update([k for k in _UNTRUSTED if k[0] == id(self)])
-        for notes in (_NOTES, _SHAPES):
+        if self.buffer is not None:
+            self.monitor._extension.set_stamp_target(id(self), None, None)
+        for keys in (_UNTRUSTED, _NEEDS_GRAD):
+            keys.difference_update([k for k in keys if k[0] == id(self)])
+        for notes in (_NOTES, _SHAPES, _CONSUMERS, _TRACE_ROWS):
             for key in [k for k in notes if k[0] == id(self)]:
                 del notes[key]
         _ROWS.pop(id(self), None)
@@ -365,7 +441,15 @@ class TracedRows:
         values += [t for _, t in found]
         labels += [info.name + label for label, _ in found]
         self._write_rows(info.row_base + INPUTS - n_in, values, _LABEL_SEP.join(labels))
+        self._hook_grads(info, found)
         return None
+
+    def _hook_grads(self, info, found: list) -> None:
+        """A gradient hook on each recorded output (``found``: ``(label, tensor)`` in row order)."""
+        if self.grad_hooks:
+            for k, (label, t) in enumerate(found):
+                if t.requires_grad:
+                    t.register_hook(self.grad_hook(info, k, f"{info.name}{label} (output grad)"))
 
     def write_inputs(self, info, args, kwargs):
         """Record the module's first floating inputs; tap the top-level ones that require grad.
@@ -408,11 +492,14 @@ class TracedRows:
         if type(output) is torch.Tensor and not self.monitor.compiled_grads:  # the common case, as for inputs
             if output.is_floating_point() or output.is_complex():
                 self._write_rows(base, [output])  # (row name: the module's)
+                if self.grad_hooks and output.requires_grad:
+                    output.register_hook(self.grad_hook(info, 0))
             return None
         grad_base = base + OUTPUTS + INPUTS
         found = float_tensors(output, "", [])[:OUTPUTS]
         self._write_rows(base, [t for _, t in found], _LABEL_SEP.join(info.name + label for label, _ in found))
         if not self.monitor.compiled_grads:
+            self._hook_grads(info, found)
             return None
         if isinstance(output, torch.Tensor):
             if output.requires_grad and (output.is_floating_point() or output.is_complex()):
@@ -439,28 +526,84 @@ class TracedRows:
             self.buffer[:, SEQ].zero_()
             self.counter.zero_()
 
-    def slots(self, written: list, step: int, phase: str = "forward"):
+    def slots(self, written: list, step: int, offset: int = 0, phase: str = "forward"):
         """Slots and record values of the rows written in this window (``[(row, values)]``), in
         execution order, and per module name the indices of the slots its weights' gradients
-        depend on (its forward inputs and the gradients of its outputs)."""
+        depend on (its forward inputs and the gradients of its outputs). The slots will sit at
+        ``offset`` onwards in the window's slot list: the indices they hold count from there.
+
+        With gradient hooks, the gradient flowing into an output is linked to that output
+        (``grad_of`` / ``grad``) and the output to the modules that took it as an input
+        (``consumers``, noted while the graph was traced): attribution then names the gradient
+        after its consumer, as in eager."""
         slots, records, index_of_row, weight_inputs = [], [], {}, {}
+        owner = id(self)
         for row, v in sorted(written, key=lambda rv: rv[1][SEQ]):
             if row >= len(self.rows):
                 continue
             r = self.rows[row]
-            label, dtype = _NOTES.get((id(self), row), (None, torch.float32))
+            label, dtype = _NOTES.get((owner, row), (None, torch.float32))
             name = label or r.name
-            shape = _SHAPES.get((id(self), row))
+            shape = _SHAPES.get((owner, row))
             if shape is None:  # written at run time (dynamic shapes)
                 ndim = int(v[NDIM])
                 shape = tuple(int(s) for s in v[DIMS:DIMS + ndim]) if ndim <= MAX_DIMS else (int(v[NUMEL]),)
             slot = Slot(step, r.phase if phase == "forward" else phase, r.kind, name, dtype, shape,
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
-            slot.stale = (id(self), row) in _UNTRUSTED
-            index_of_row[row] = len(slots)
+            slot.stale = (owner, row) in _UNTRUSTED
+            index_of_row[row] = offset + len(slots)
             if r.weight_input and r.module is not None:
-                weight_inputs.setdefault(r.module.name, []).append(len(slots))
+                weight_inputs.setdefault(r.module.name, []).append(offset + len(slots))
             slots.append(slot)
             records.append(v[:RECORD_SIZE])
+        if self.grad_hooks:
+            self._link_grads(slots, offset, index_of_row)
         return slots, records, weight_inputs
+
+    def _link_grads(self, slots: list, offset: int, index_of_row: dict) -> None:
+        """Gradient rows to their outputs, outputs to their consumers (see :meth:`slots`). A consumer
+        with an output that required grad but whose gradient was not recorded here is marked
+        incomplete: what flowed into it is unknown, so nanscan cannot say it made the gradient."""
+        grad_shift = OUTPUTS + INPUTS  # an output row's gradient row is this many rows after it
+        for row, index in index_of_row.items():
+            r = self.rows[row]
+            if r.phase == "backward" and r.is_output and row - grad_shift in index_of_row:
+                forward = index_of_row[row - grad_shift]
+                slots[index - offset].grad_of = forward
+                slots[forward - offset].grad = index
+        calls = {}  # consumer module name -> Call
+        ran = None
+        for row, index in index_of_row.items():
+            notes = _CONSUMERS.get((id(self), row))
+            if not notes:
+                continue
+            ran = self._traces_that_ran(index_of_row) if ran is None else ran
+            names = set().union(*(names for trace, names in notes.items() if trace in ran))
+            frames = []
+            for name in sorted(names):
+                if name not in calls:
+                    calls[name] = self._call(self.infos[name], slots, offset, index_of_row)
+                frames.append(calls[name])
+            slots[index - offset].consumers = frames
+
+    def _traces_that_ran(self, index_of_row: dict) -> set:
+        """The traces whose graphs wrote this window's rows: those whose forward rows, in the order
+        they were stamped, are a contiguous run of the forward rows written (in execution order;
+        a row written twice keeps its last write, so a graph that ran and was partly overwritten
+        by another does not count -- its consumers are then not known, never guessed)."""
+        written = [row for row in index_of_row if self.rows[row].phase == "forward"]
+        position = {row: i for i, row in enumerate(written)}
+        ran = set()
+        for (owner, trace), rows in _TRACE_ROWS.items():
+            start = position.get(rows[0]) if owner == id(self) and rows else None
+            if start is not None and written[start:start + len(rows)] == rows:
+                ran.add(trace)
+        return ran
+
+    def _call(self, info, slots: list, offset: int, index_of_row: dict) -> Call:
+        first = info.row_base + INPUTS
+        rows = [r for r in range(first, first + OUTPUTS) if r in index_of_row]
+        outputs = [index_of_row[r] for r in rows]
+        complete = all(slots[index_of_row[r] - offset].grad is not None for r in rows if (id(self), r) in _NEEDS_GRAD)
+        return Call(info, outputs, complete)
