@@ -2,7 +2,10 @@
 DESIGN §7): the first forward + backward of a compiled timm model, which is where dynamo traces and
 the backend compiles. Side by side in one run, each from a fresh dynamo cache.
 
-    python -m benchmarks.compile_time [--model resnet18] [--backend aot_eager]
+    python -m benchmarks.compile_time [--model resnet18] [--backend aot_eager] [--rounds 3]
+
+Three variants, alternated round by round: unwatched, watched (the default options: gradient hooks
+inside the graph) and watched with ``compiled_grads="off"`` (no gradient records in the graph).
 """
 import argparse
 import time
@@ -12,7 +15,7 @@ import torch
 import nanscan
 
 
-def first_step_seconds(model_name: str, backend: str, watch: bool) -> float:
+def first_step_seconds(model_name: str, backend: str, watch: bool, **watch_options) -> float:
     import timm
 
     # Inductor keeps compiled graphs on disk across processes: a second run (or the unwatched graph,
@@ -23,7 +26,7 @@ def first_step_seconds(model_name: str, backend: str, watch: bool) -> float:
     kwargs = {"img_size": 64} if model_name.startswith("vit") else {}
     model = timm.create_model(model_name, pretrained=False, num_classes=10, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt) if watch else None
+    mon = nanscan.watch(model, opt, **watch_options) if watch else None
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 3, 64, 64)
     start = time.perf_counter()
@@ -43,12 +46,14 @@ def main(argv=None) -> int:
     # Warm up: the first compile in a process also pays for imports and dynamo's own set-up.
     warm = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
     torch.compile(warm, backend=args.backend)(torch.randn(1, 3, 8, 8)).sum().backward()
-    bare, watched = [], []
+    bare, watched, no_grads = [], [], []
     for _ in range(args.rounds):
         bare.append(first_step_seconds(args.model, args.backend, watch=False))
         watched.append(first_step_seconds(args.model, args.backend, watch=True))
-    print(f"{args.model} ({args.backend}): unwatched {min(bare):.1f} s, watched {min(watched):.1f} s, "
-          f"ratio {min(watched) / min(bare):.2f}")
+        no_grads.append(first_step_seconds(args.model, args.backend, watch=True, compiled_grads="off"))
+    print(f"{args.model} ({args.backend}): unwatched {min(bare):.1f} s, watched {min(watched):.1f} s "
+          f"(ratio {min(watched) / min(bare):.2f}), watched with compiled_grads='off' {min(no_grads):.1f} s "
+          f"(ratio {min(no_grads) / min(bare):.2f})")
     return 0
 
 

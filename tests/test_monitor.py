@@ -287,6 +287,8 @@ def test_bad_use_gets_clear_errors():
         nanscan.watch(torch.compile(model))
     with pytest.raises(ValueError, match="eval_forwards must be one of"):
         nanscan.watch(model, eval_forwards="sometimes")
+    with pytest.raises(ValueError, match=r"compiled_grads must be one of \('hooks', 'taps', 'off'\)"):
+        nanscan.watch(model, compiled_grads="yes")
     in_place = Net()
     in_place.compile(backend="eager")
     with pytest.raises(ValueError, match="compiled in place"):

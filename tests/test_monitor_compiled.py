@@ -117,10 +117,11 @@ def test_compiled_incident_equals_eager(backend, fullgraph, case):
     assert compiled.inputs == eager.inputs
 
 
-# The forward cases with the default options (no gradient taps): the traced hooks' fast path and
-# leaf modules' one stamp per call (inputs with outputs, after the forward).
+# Every case with the default options (no gradient taps): the traced hooks' fast path, leaf
+# modules' one stamp per call (inputs with outputs, after the forward) and the gradient hooks.
 DEFAULT_MATRIX = ([("aot_eager", fullgraph, case) for fullgraph in (False, True)
-                   for case in ("block_fault", "masked_attention", "nan_batch", "odd_shapes", "update_blows_up")]
+                   for case in ("block_fault", "masked_attention", "nan_batch", "odd_shapes", "update_blows_up",
+                                "param_grad_only")]
                   + [("inductor", True, "masked_attention"), ("inductor", False, "block_fault")])
 
 
@@ -347,8 +348,8 @@ def test_in_place_ops_on_module_outputs_compile_with_the_default_options(fullgra
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compiled_backward_fault_with_the_default_options(backend, fullgraph):
+@pytest.mark.parametrize("backend,make", [("aot_eager", SqNet), ("inductor", SqNet), ("aot_eager", "DictSqNet")])
+def test_compiled_backward_fault_with_the_default_options(backend, make, fullgraph):
     # Default: a tensor hook on every module output, traced into the graph where this torch can
     # (GRAD_HOOKS), so a backward-only fault is named like eager; elsewhere nanscan says it
     # cannot tell (the first non-finite parameter gradient, produced=None), never a guess.
@@ -356,12 +357,28 @@ def test_compiled_backward_fault_with_the_default_options(backend, fullgraph):
         m.fault = i == 1
         return torch.randn(4, 8)
 
-    eager, compiled = eager_and_compiled(SqNet, 3, plant, dict(backend=backend, fullgraph=fullgraph))
+    make = globals()[make] if isinstance(make, str) else make  # (DictSqNet is defined below)
+    eager, compiled = eager_and_compiled(make, 3, plant, dict(backend=backend, fullgraph=fullgraph))
     assert key(eager) == (1, "backward", "sq", "grad", True)
     if GRAD_HOOKS:
         assert incident_tuple(compiled) == incident_tuple(eager)
     else:
         assert (compiled.step, compiled.phase, compiled.kind, compiled.produced) == (1, "backward", "grad", None)
+
+
+@pytest.mark.parametrize("off", ["off", False])
+def test_compiled_grads_off_says_it_cannot_tell(off):
+    # No gradient records inside the graph (the shortest compile): a backward-only fault is the first
+    # non-finite parameter gradient, produced=None -- never a guess.
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inc, mon = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True), compiled_grads=off)
+    assert not mon.traced.grad_hooks and not mon.compiled_grads
+    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
 
 
 class SqAfterInPlace(InPlace):

@@ -58,6 +58,7 @@ from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hook
 from nanscan.record import RECORD_SIZE
 
 MODES = ("sync", "async")
+COMPILED_GRADS = ("hooks", "taps", "off")
 ON_NONFINITE = ("raise", "warn", "record")
 EVAL_FORWARDS = ("check", "raise", "skip")
 
@@ -69,13 +70,15 @@ class Monitor:
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True,
-                 compiled_grads=False, grads=True, params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
+                 compiled_grads="hooks", grads=True, params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
                  backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check",
                  headroom_bits=None, headroom_cast=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.activations, self.grads, self.params, self.buffers = activations, grads, params, buffers
         self.activation_grads = activations and activation_grads
-        self.compiled_grads = self.activation_grads and compiled_grads
+        # Gradients inside compiled graphs: taps (``compiled_grads``) or tensor hooks (``compiled_grad_hooks``).
+        self.compiled_grads = self.activation_grads and compiled_grads == "taps"
+        self.compiled_grad_hooks = self.activation_grads and compiled_grads == "hooks"
         self.optimizer_state = optimizer_state
         self.every, self.mode, self.on_nonfinite, self.eval_forwards = every, mode, on_nonfinite, eval_forwards
         self.allow = tuple(allow)
@@ -755,7 +758,7 @@ def _close_at_exit() -> None:
 
 
 def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activation_grads: bool = True,
-          compiled_grads: bool = False, grads: bool = True,
+          compiled_grads="hooks", grads: bool = True,
           params: bool = True, buffers: bool = True, optimizer_state: bool = False, every: int = 1,
           mode: str = "sync", on_nonfinite: str = "raise", allow: Iterable[str] = (), backend: Optional[str] = None,
           capture_dir: Optional[str] = None, keep_pre_update_state: bool = False, log=None,
@@ -767,14 +770,15 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
 
     ``activations``: module outputs (and values made in a module's own body) in the forward, and
     (``activation_grads``) the gradients flowing into module outputs (taken by a C++ hook on each
-    output's autograd node; inside compiled graphs, taps that add graph ops). Without
-    them a backward-only fault is reported at the first non-finite parameter gradient with
-    ``produced=None``. Inside ``torch.compile`` graphs those gradients need taps on module inputs and
-    outputs (identity autograd Functions, whose outputs are views): ``compiled_grads=True`` turns
-    them on -- only for models that never modify a module's input or output in place (``ReLU(
-    inplace=True)``, ``out += identity``: autograd forbids in-place ops on such views, and the
-    compile fails). Off (the default), a backward-only fault inside a compiled graph is reported at
-    the first non-finite parameter gradient with ``produced=None``. ``grads``: parameter gradients; ``params``:
+    output's autograd node). Without them a backward-only fault is reported at the first non-finite
+    parameter gradient with ``produced=None``. ``compiled_grads``: how those gradients are taken
+    inside ``torch.compile`` graphs -- ``"hooks"`` (default): a tensor hook on each recorded output
+    that dynamo traces into the graph, on a torch that can (``nanscan.monitor.traced.GRAD_HOOKS``;
+    torch 2.11 cannot: there, none); ``"taps"`` (or ``True``): identity autograd Functions on module
+    inputs and outputs, whose outputs are views -- only for models that never modify a module's
+    input or output in place (``ReLU(inplace=True)``, ``out += identity``: autograd forbids in-place
+    ops on such views and the compile fails), on any torch; ``"off"`` (or ``False``): none, for the
+    shortest compile (the hooks add graph ops: README, compile time). ``grads``: parameter gradients; ``params``:
     parameters after each optimizer update (needs ``optimizer``); ``buffers``: floating-point
     buffers (BatchNorm running statistics, EMA copies kept as buffers) after the update, kind
     ``"buffer"``; ``optimizer_state``: optimizer state tensors after the update.
@@ -835,6 +839,11 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
         raise ValueError(f"nanscan.watch: mode must be one of {MODES}, got {mode!r}")
     if on_nonfinite not in ON_NONFINITE:
         raise ValueError(f"nanscan.watch: on_nonfinite must be one of {ON_NONFINITE}, got {on_nonfinite!r}")
+    if compiled_grads is True or compiled_grads is False:
+        compiled_grads = "taps" if compiled_grads else "off"
+    if compiled_grads not in COMPILED_GRADS:
+        raise ValueError(f"nanscan.watch: compiled_grads must be one of {COMPILED_GRADS} (or True for 'taps', False "
+                         f"for 'off'), got {compiled_grads!r}")
     if eval_forwards not in EVAL_FORWARDS:
         raise ValueError(f"nanscan.watch: eval_forwards must be one of {EVAL_FORWARDS}, got {eval_forwards!r}")
     if isinstance(allow, str):

@@ -26,16 +26,26 @@ place: dynamo's fake tensors carry version counters, and an input row whose tens
 an earlier stamp saw it (or that no stamp saw, with a version above 0) is kept ``stale`` --
 "cannot tell", never a guess (``_noted_at_trace``). Watched / unwatched compile time: README.
 
-Gradients (``watch(..., compiled_grads=True)``, off by default): tensor hooks cannot be registered
-inside a graph, so the traced hooks put a tap (an identity autograd Function, :class:`_Tap`, whose
-output is a view: autograd then forbids in-place ops on it, so a model that modifies module inputs
-or outputs in place cannot use it) on a module's top-level floating inputs and outputs
-(a tensor, or tensors in a tuple / list) that require grad; its backward writes the incoming
-gradient's record into a row of the same buffer, stamped by the same counter. A non-finite
-gradient of a module's *input* is what that module's backward made: it is named after the module,
-produced when the gradients of its outputs were finite. Outputs in other containers (dicts,
-``ModelOutput``) are recorded but not tapped: the gradient flowing into them is unknown, and an
-input gradient of such a module says "cannot tell".
+Gradients (the default, where this torch traces tensor hooks into graphs: ``GRAD_HOOKS``): the
+traced hook registers a tensor hook on each recorded module output that requires grad; dynamo
+traces it into the graph and it runs in the compiled backward, writing the gradient flowing into
+that output into the output's gradient row with ``nanscan::stamp_grad`` (the buffer is found by
+owner, not passed: see csrc/monitor/stamp_rows.cpp). The module whose backward made that gradient
+is the output's consumer: while dynamo traces, its fake tensors have identity, so the stamps note
+which modules took each recorded output as an input -- per trace, because graphs of different
+structure (a recompile) write the same rows; at the read, only the notes of the traces whose rows
+ran apply (:meth:`TracedRows._traces_that_ran`). Attribution is then the eager rule: one consumer,
+named, produced when the gradients of its own outputs were finite; several, "cannot tell".
+
+Gradients with taps (``watch(..., compiled_grads=True)``, off by default): an identity autograd
+Function, :class:`_Tap`, whose output is a view (autograd then forbids in-place ops on it, so a
+model that modifies module inputs or outputs in place cannot use it) on a module's top-level
+floating inputs and outputs (a tensor, or tensors in a tuple / list) that require grad; its
+backward writes the incoming gradient's record into a row of the same buffer, stamped by the same
+counter. A non-finite gradient of a module's *input* is what that module's backward made: it is
+named after the module, produced when the gradients of its outputs were finite. Outputs in other
+containers (dicts, ``ModelOutput``) are recorded but not tapped: the gradient flowing into them is
+unknown, and an input gradient of such a module says "cannot tell".
 
 Only training forwards are recorded (grad enabled, the root in training mode, the step sampled:
 dynamo guards on all three, so an eval forward runs a graph of its own that writes nothing).
@@ -301,7 +311,7 @@ class TracedRows:
         by_name = {info.name: info for info in infos}
         _mark_leaves(infos, compiled_grads=monitor.compiled_grads)
         # Gradients inside graphs: a tensor hook per recorded output (GRAD_HOOKS), unless taps.
-        self.grad_hooks = GRAD_HOOKS and monitor.activation_grads and not monitor.compiled_grads
+        self.grad_hooks = GRAD_HOOKS and monitor.compiled_grad_hooks
         self.infos = {info.name: info for info in infos}
         for info in infos:
             base[info.name] = info.row_base = len(self.rows)
