@@ -452,3 +452,78 @@ def test_a_graph_compiled_before_watch_is_never_reused_without_the_hooks(same_in
         incident, _ = run(model, 4, block_fault, dict(backend="aot_eager"))
     eager, _ = run(Net(), 4, block_fault)
     assert key(incident) == key(eager) and incident.name == "block"
+
+
+def _accumulating_run(compiled, plant, make=SqNet, micro_steps=2, **watch_options):
+    """Gradient accumulation (``micro_steps`` forward / backward per optimizer step), record mode:
+    the keys of every incident. ``plant(model, step, micro)`` returns the batch."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record", **watch_options)
+    fwd = torch.compile(model, backend="aot_eager") if compiled else model
+    with mon:
+        for i in range(3):
+            for micro in range(micro_steps):
+                fwd(plant(model, i, micro)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return [key(inc) for inc in mon.incidents]
+
+
+@pytest.mark.parametrize("fault", ["backward", "forward"])
+def test_gradient_accumulation_keeps_every_micro_step_of_a_compiled_model(fault):
+    # Every micro-step's graph writes the same rows; each training forward keeps the rows before it
+    # (a device copy, decoded in its turn), so a fault in the first micro-step is not overwritten
+    # by the clean second one -- before, a backward-only fault there was reported as the
+    # accumulated `inp.weight` gradient, "produced" (wrong: it came from `sq`).
+    def plant(m, i, micro):
+        m.fault = fault == "backward" and (i, micro) == (1, 0)
+        x = torch.randn(4, 8)
+        if fault == "forward" and (i, micro) == (1, 0):
+            x[0, 0] = float("nan")
+        return x
+
+    eager = _accumulating_run(False, plant)
+    compiled = _accumulating_run(True, plant)
+    assert compiled[:1] == eager[:1]
+    expected = (1, "backward", "sq", "grad", True) if fault == "backward" else (1, "forward", "inp", "activation", False)
+    assert eager[0] == expected
+
+
+class LogGate(nn.Module):
+    def forward(self, x):
+        return torch.log(x)
+
+
+class CalledTwice(nn.Module):
+    """`gate` is called twice per forward: in a graph both calls write its rows, only the last
+    value stays there (the write count says so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.gate = LogGate()
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.fault = False
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.gate(h if self.fault else h.abs() + 1.0)  # the fault: log of negatives in the first call
+        h = self.mid(h)
+        return self.head(self.gate(h.abs() + 1.0))
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_a_module_called_twice_is_named_and_never_said_to_produce_what_it_cannot_know(fullgraph):
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(CalledTwice, 3, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    assert key(eager) == (1, "forward", "gate", "activation", True)
+    # The first call's row was overwritten by the second: its value survives as `mid`'s input,
+    # named after the module that made it; what that call received is gone, so produced is None.
+    assert key(compiled)[:4] == key(eager)[:4] and compiled.produced is None

@@ -115,10 +115,16 @@ def test_stamp_rows_writes_records_and_sequence_numbers():
     torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 2, 0, "")  # records: the default kernels'
     torch.testing.assert_close(buffer[2:5, :8], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0, equal_nan=True)
     assert buffer[2:5, 8].tolist() == [5.0, 6.0, 7.0]
-    assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, 9:].abs().sum() == 0 and counter.item() == 7.0
+    assert buffer[2:5, 9].tolist() == [1.0, 1.0, 1.0]  # each row's writes
+    assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, 10:].abs().sum() == 0 and counter.item() == 7.0
     given = torch.arange(8, dtype=torch.float64).reshape(1, 8)  # records of another backend
     torch.ops.nanscan.stamp_rows_(buffer, counter, values[:1], given, 0, 0, "")
     assert torch.equal(buffer[0, :8], given[0]) and buffer[0, 8].item() == 8.0 and counter.item() == 8.0
+    torch.ops.nanscan.stamp_rows_(buffer, counter, values[:2], None, 2, 0, "")  # rows 2, 3 again
+    assert buffer[2:5, 8].tolist() == [9.0, 10.0, 7.0] and buffer[:5, 9].tolist() == [1.0, 0.0, 2.0, 2.0, 1.0]
+    narrow = torch.zeros(2, 9, dtype=torch.float64)  # no column for the writes: none are counted
+    torch.ops.nanscan.stamp_rows_(narrow, counter, values[:1], None, 0, 0, "")
+    assert narrow[0, 8].item() == 11.0 and narrow[1].abs().sum() == 0
     with pytest.raises(RuntimeError, match="outside the buffer"):
         torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 4, 0, "")
     with pytest.raises(RuntimeError, match="one dtype"):

@@ -13,9 +13,12 @@
 //     n = records.size(0), R = records.size(1)
 //     buffer[first_row + k, 0:R] = records[k]            k = 0 .. n-1
 //     buffer[first_row + k, R]   = counter + k + 1
+//     buffer[first_row + k, R+1] += 1                     (when C > R + 1: the row's writes)
 //     counter += n
 //
-// buffer: [rows, C] with C > R, counter: [1], both float64 on records' device. `records` is given
+// buffer: [rows, C] with C > R, counter: [1], both float64 on records' device. The write count
+// tells the monitor which rows were written more than once in a read window (a module called twice
+// per forward, several forwards per read): only their last value is there. `records` is given
 // when another backend than the default kernels summarizes, or when a value lives on another
 // device. `owner` and `labels` are not used here: the fake kernel (nanscan/_ops.py) hands them,
 // with the values' dtypes and shapes, to the monitor when the graph is traced -- the one moment
@@ -72,6 +75,7 @@ void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
   at::Tensor block = buffer.narrow(0, first_row, n);
   block.narrow(1, 0, width).copy_(records);
   block.select(1, width).copy_(at::arange(1, n + 1, counter.options()).add_(counter.reshape({1})));
+  if (buffer.size(1) > width + 1) block.select(1, width + 1).add_(1);
   counter.add_(n);
 }
 

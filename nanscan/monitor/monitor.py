@@ -243,7 +243,11 @@ class Monitor:
             else:
                 self._capturer.note_autocast(self.step_index)
         self._forward_seen = True
-        return "forward" if (self.checking and self.activations) else None
+        if not (self.checking and self.activations):
+            return None
+        if info.is_root:
+            self.traced.begin_forward()
+        return "forward"
 
     def _backward_seen(self) -> bool:
         """A gradient of a module output was received since the last read."""
@@ -557,9 +561,8 @@ class Monitor:
             extras.append(("scale", scale))
         if found_inf is not None:
             extras.append(("found_inf", found_inf))
-        traced = self.traced.buffer if self.traced.used else None
-        copy = Copy.start(blocks, slots, extras, traced, handled=handled, step=self.step_index,
-                          non_blocking=self.mode == "async" and not final)
+        copy = Copy.start(blocks, slots, extras, self.traced.window(), handled=handled, step=self.step_index,
+                          non_blocking=self.mode == "async" and not final, window_rows=len(self.traced.rows))
         copy.recorded_forward = recorded_forward
         copy.grad_start = grad_start
         self.traced.reset()
@@ -611,7 +614,13 @@ class Monitor:
         position = None
         if copy.traced is not None:
             offset = len(slots)
-            traced_slots, traced_values, weight_inputs = self.traced.slots(copy.traced, step, offset)
+            traced_slots, traced_values, weight_inputs = [], [], {}
+            for written in copy.traced:  # (one sub-window per training forward, in order)
+                more, values, inputs = self.traced.slots(written, step, offset + len(traced_slots))
+                traced_slots += more
+                traced_values += values
+                for name, indices in inputs.items():
+                    weight_inputs.setdefault(name, []).extend(indices)
             if self.compiled_grads or self.traced.grad_hooks:
                 # weights of compiled modules: their forward inputs and output gradients
                 for block in {s for s in slots if type(s) is Block and s.param}:
@@ -726,7 +735,7 @@ class Monitor:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:
         typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph never
         calls hooks added later. Attribution would then be wrong, so refuse loudly."""
-        if not self.activations or copy.recorded_forward or copy.traced:
+        if not self.activations or copy.recorded_forward or (copy.traced and any(copy.traced)):
             return
         if any(type(s) is Block and s.param for s in slots[-1:]) or any(
                 s.phase in ("loss", "backward") and s.step == copy.step for s in slots if type(s) is Slot):

@@ -32,14 +32,19 @@ class Copy:
         self.host: Optional[torch.Tensor] = None
         self.bad: set = set()
         self.extras: dict = {}
-        self.traced: Optional[list] = None  # [(row, values)] of the compiled rows written, or None
+        # Per sub-window of the compiled path (one per training forward: TracedRows.begin_forward),
+        # [(row, values)] of the rows written; or None.
+        self.traced: Optional[list] = None
+        self.window_rows = 0  # rows per sub-window
         self.grad_start: Optional[int] = None  # where the parameter gradients' block starts, if read
         self.recorded_forward = True  # a training forward was recorded in the window
 
     @classmethod
-    def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool) -> "Copy":
+    def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,
+              window_rows: int = 0) -> "Copy":
         """Stack ``blocks`` (``[k, RECORD_SIZE]`` records of ``slots``, in order), the ``extras``
-        (``(name, one-element tensor)``) and the compiled rows, and start the copy."""
+        (``(name, one-element tensor)``) and the compiled rows (sub-windows of ``window_rows``
+        rows), and start the copy."""
         parts = []
         # Rows are RECORD_SIZE wide, COLUMNS when the compiled path's rows join them (each op here
         # costs host time: one cat of the records, a pad only when the widths differ).
@@ -66,7 +71,9 @@ class Copy:
             event = torch.cuda.Event()
             event.record()
             rows = host
-        return cls(rows, event, slots, names, n_traced, handled, step)
+        copy = cls(rows, event, slots, names, n_traced, handled, step)
+        copy.window_rows = window_rows or n_traced
+        return copy
 
     def wait(self) -> None:
         """Land the copy (the one host sync of the read) and find the non-finite rows."""
@@ -81,9 +88,11 @@ class Copy:
         if e:
             self.extras = dict(zip(self.extra_names, host[n:n + e, 0].tolist()))
         if self.n_traced:
-            block = host[n + e:]
-            written = torch.nonzero(block[:, SEQ] > 0).flatten().tolist()
-            self.traced = list(zip(written, block[written].tolist())) if written else []
+            self.traced = []
+            for first in range(n + e, n + e + self.n_traced, self.window_rows):
+                block = host[first:first + self.window_rows]
+                written = torch.nonzero(block[:, SEQ] > 0).flatten().tolist()
+                self.traced.append(list(zip(written, block[written].tolist())) if written else [])
 
     def row(self, i: int) -> list:
         """Slot ``i``'s record as Python floats."""

@@ -10,6 +10,14 @@ forwards per optimizer step) in two graph ops -- one ``summarize_many``, one
 ``nanscan::stamp_rows_`` -- and the values' real shapes are noted at trace time. The read decodes the written rows into
 slots like eager ones, so attribution is the same code.
 
+Rows are static, so a row written twice in one read window keeps only its last value; each row
+counts its writes, and such a row is kept ``stale`` (never an incident, "cannot tell" downstream).
+Two cases: a module called twice in one forward (an input row that took the first call's output
+then names that module, ``produced=None``: :meth:`TracedRows._name_inputs_of_overwritten_outputs`),
+and several forwards per read (gradient accumulation): each training forward of the root first
+keeps the rows so far in a device copy, a sub-window decoded in its turn
+(:meth:`TracedRows.begin_forward`), so no micro-step's records are lost.
+
 Tensor identity is not available inside a graph, so module inputs are recorded too. An input of a
 child that is non-finite while no earlier value of the step was is a value made in the parent's
 own body (the same rule as eager, decided from the records instead of from identity): such rows
@@ -64,9 +72,10 @@ from nanscan.record import RECORD_SIZE
 
 INPUTS, OUTPUTS = 2, 8
 MAX_DIMS = 6
-# Columns: the record, the execution sequence number (0 = not written in this window), numel,
+# Columns: the record, the execution sequence number (0 = not written in this window), the number
+# of writes in this window (more than 1: only the last value is there), numel,
 # ndim and the sizes.
-SEQ, NUMEL, NDIM, DIMS = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2, RECORD_SIZE + 3
+SEQ, WRITES, NUMEL, NDIM, DIMS = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2, RECORD_SIZE + 3, RECORD_SIZE + 4
 COLUMNS = DIMS + MAX_DIMS
 
 _NOTES: dict = {}  # (id(TracedRows), row) -> (label or None, dtype), noted at trace time
@@ -122,6 +131,7 @@ _UNTRUSTED: set = set()  # (id(TracedRows), row)
 _MADE_AT = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor -> {(id(TracedRows), output row)}: a
 # child's output that its parent returns unchanged is in two output rows
 _CONSUMERS: dict = {}  # (id(TracedRows), output row) -> {trace: names of the modules that took it as an input}
+_EXPLAINED: dict = {}  # (id(TracedRows), input row) -> {trace: the output rows whose value it took}
 _TRACE_ROWS: dict = {}  # (id(TracedRows), trace) -> the forward rows the trace stamped, in order
 _NEEDS_GRAD: set = set()  # (id(TracedRows), output row) of outputs that required grad when traced
 
@@ -200,6 +210,7 @@ def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> No
                 else:
                     for made_at in _MADE_AT.get(t, ()):
                         _CONSUMERS.setdefault(made_at, {}).setdefault(trace, set()).add(info.module.name)
+                        _EXPLAINED.setdefault(key, {}).setdefault(trace, set()).add(made_at[1])
     _TRACED.add(owner)
 
 
@@ -306,6 +317,8 @@ class TracedRows:
         # gradient taps, through the hooks' fast path (``stamping``). Set by set_recording: dynamo
         # guards on each as on one constant, where the monitor's state would be several.
         self.recording = self.stamping = False
+        self.snapshots: list = []  # device copies of the rows of earlier forwards in this read window
+        self.forwards = 0  # training forwards of the root in this read window (see begin_forward)
         base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
         self.rows: list = []
         by_name = {info.name: info for info in infos}
@@ -387,7 +400,7 @@ class TracedRows:
             self.monitor._extension.set_stamp_target(id(self), None, None)
         for keys in (_UNTRUSTED, _NEEDS_GRAD):
             keys.difference_update([k for k in keys if k[0] == id(self)])
-        for notes in (_NOTES, _SHAPES, _CONSUMERS, _TRACE_ROWS):
+        for notes in (_NOTES, _SHAPES, _CONSUMERS, _EXPLAINED, _TRACE_ROWS):
             for key in [k for k in notes if k[0] == id(self)]:
                 del notes[key]
         _ROWS.pop(id(self), None)
@@ -530,10 +543,30 @@ class TracedRows:
         return None
 
     # ------------------------------------------------------------ read
+    def begin_forward(self) -> None:
+        """A training forward of the root starts (called by the monitor, eagerly). Its graph will
+        write the same rows as the forward before it in this read window (gradient accumulation):
+        the rows so far are kept in a device copy first -- a sub-window, decoded in its turn -- and
+        marked unwritten. No sync."""
+        if not self.used:
+            return
+        if self.forwards:
+            self.snapshots.append(self.buffer.clone())
+            self.buffer[:, SEQ:WRITES + 1].zero_()
+        self.forwards += 1
+
+    def window(self) -> Optional[torch.Tensor]:
+        """What a read copies: the sub-windows kept by :meth:`begin_forward`, then the buffer, as
+        one tensor of ``len(rows)``-row blocks (None when no traced hook was compiled)."""
+        if not self.used:
+            return None
+        return torch.cat(self.snapshots + [self.buffer]) if self.snapshots else self.buffer
+
     def reset(self) -> None:
         """Mark every row unwritten (device ops, no sync): a new read window."""
+        self.snapshots, self.forwards = [], 0
         if self.used:
-            self.buffer[:, SEQ].zero_()
+            self.buffer[:, SEQ:WRITES + 1].zero_()
             self.counter.zero_()
 
     def slots(self, written: list, step: int, offset: int = 0, phase: str = "forward"):
@@ -561,17 +594,38 @@ class TracedRows:
             slot = Slot(step, r.phase if phase == "forward" else phase, r.kind, name, dtype, shape,
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
-            slot.stale = (owner, row) in _UNTRUSTED
+            # (written twice: a module called twice in one forward; only its last value is here)
+            slot.stale = (owner, row) in _UNTRUSTED or v[WRITES] > 1
             index_of_row[row] = offset + len(slots)
             if r.weight_input and r.module is not None:
                 weight_inputs.setdefault(r.module.name, []).append(offset + len(slots))
             slots.append(slot)
             records.append(v[:RECORD_SIZE])
+        ran = self._traces_that_ran(index_of_row)
+        self._name_inputs_of_overwritten_outputs(slots, offset, index_of_row, ran)
         if self.grad_hooks:
-            self._link_grads(slots, offset, index_of_row)
+            self._link_grads(slots, offset, index_of_row, ran)
         return slots, records, weight_inputs
 
-    def _link_grads(self, slots: list, offset: int, index_of_row: dict) -> None:
+    def _name_inputs_of_overwritten_outputs(self, slots: list, offset: int, index_of_row: dict, ran: set) -> None:
+        """An input row that took a module's output (noted at trace time) whose own row was written
+        again later (the module called twice): the input row is the one record left of that earlier
+        output. It is not a value of the parent's body -- it is named after the module that made
+        it, with ``produced=None`` (what that call received was overwritten too)."""
+        for row, index in index_of_row.items():
+            notes = _EXPLAINED.get((id(self), row))
+            if not notes:
+                continue
+            made = set().union(*(rows for trace, rows in notes.items() if trace in ran))
+            overwritten = [r for r in made if r in index_of_row and slots[index_of_row[r] - offset].stale]
+            if not overwritten:
+                continue
+            producer = slots[index_of_row[overwritten[0]] - offset]
+            slot = slots[index - offset]
+            slot.name, slot.owner, slot.derived, slot.candidate = producer.name, producer.owner, False, True
+            slot.inputs = (index_of_row[overwritten[0]],)  # (stale: produced is None)
+
+    def _link_grads(self, slots: list, offset: int, index_of_row: dict, ran: set) -> None:
         """Gradient rows to their outputs, outputs to their consumers (see :meth:`slots`). A consumer
         with an output that required grad but whose gradient was not recorded here is marked
         incomplete: what flowed into it is unknown, so nanscan cannot say it made the gradient."""
@@ -583,12 +637,10 @@ class TracedRows:
                 slots[index - offset].grad_of = forward
                 slots[forward - offset].grad = index
         calls = {}  # consumer module name -> Call
-        ran = None
         for row, index in index_of_row.items():
             notes = _CONSUMERS.get((id(self), row))
             if not notes:
                 continue
-            ran = self._traces_that_ran(index_of_row) if ran is None else ran
             names = set().union(*(names for trace, names in notes.items() if trace in ran))
             frames = []
             for name in sorted(names):
@@ -599,14 +651,20 @@ class TracedRows:
 
     def _traces_that_ran(self, index_of_row: dict) -> set:
         """The traces whose graphs wrote this window's rows: those whose forward rows, in the order
-        they were stamped, are a contiguous run of the forward rows written (in execution order;
-        a row written twice keeps its last write, so a graph that ran and was partly overwritten
-        by another does not count -- its consumers are then not known, never guessed)."""
+        they were stamped (a row stamped twice at its last stamp: the one its sequence number
+        keeps), are a contiguous run of the forward rows written, in execution order. A graph that
+        ran and was partly overwritten by another does not count: its notes are then unknown,
+        never guessed."""
+        if not _TRACE_ROWS:
+            return set()
         written = [row for row in index_of_row if self.rows[row].phase == "forward"]
         position = {row: i for i, row in enumerate(written)}
         ran = set()
-        for (owner, trace), rows in _TRACE_ROWS.items():
-            start = position.get(rows[0]) if owner == id(self) and rows else None
+        for (owner, trace), stamped in _TRACE_ROWS.items():
+            if owner != id(self) or not stamped:
+                continue
+            rows = list(dict.fromkeys(reversed(stamped)))[::-1]  # (each row at its last stamp)
+            start = position.get(rows[0])
             if start is not None and written[start:start + len(rows)] == rows:
                 ran.add(trace)
         return ran
