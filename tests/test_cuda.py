@@ -316,3 +316,38 @@ def test_many_cache_hit_copies_nothing():
     on_gpu = second_call_on_gpu(lambda: nanscan.records(xs, backend="cuda"))
     assert not any("memcpy" in name.lower() for name in on_gpu), on_gpu
     assert sum("scan_many_kernel" in name for name in on_gpu) == 2, on_gpu
+
+
+def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
+    # inductor with CUDA graphs (mode="reduce-overhead"; plain inductor is tested on CPU): the traced
+    # stamps (and, where this torch traces tensor hooks into graphs, the gradient hooks' effectful
+    # stamp_grad) must still write the monitor's buffer on every replay.
+    mode = "reduce-overhead"
+    from nanscan.monitor.traced import GRAD_HOOKS
+    from tests.test_monitor_loops import SqNet, key
+
+    def run(compiled, fault):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = SqNet().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        fwd = None
+        with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+            fwd = torch.compile(model, mode=mode) if compiled else model
+            for i in range(4):
+                model.fault = fault == "backward" and i == 2
+                x = torch.randn(4, 8, device="cuda")
+                if fault == "forward" and i == 2:
+                    x[0, 0] = float("nan")
+                fwd(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return [key(inc) for inc in mon.incidents][:1]
+
+    for fault in ("forward", "backward"):
+        eager, compiled = run(False, fault), run(True, fault)
+        if fault == "backward" and not GRAD_HOOKS:
+            step, phase, _, kind, produced = compiled[0]  # (a parameter gradient, "cannot tell")
+            assert (step, phase, kind, produced) == (2, "backward", "grad", None)
+        else:
+            assert compiled == eager and eager[0][0] == 2
