@@ -16,8 +16,8 @@ TORCH_LIBRARY(nanscan, m) {
   // (csrc/monitor/stamp_rows.cpp, CompositeExplicitAutograd: every device, and meta).
   m.def("stamp_rows_(Tensor(a!) buffer, Tensor(b!) counter, Tensor[] values, Tensor? records, int first_row, "
         "int owner, str labels) -> ()");
-  // The same for one gradient, into the buffer named for `owner` (effectful: see stamp_rows.cpp).
-  m.def("stamp_grad(Tensor grad, Tensor? record, int owner, int row, str label) -> ()");
+  // The same into the buffer named for `owner` (effectful: see stamp_rows.cpp).
+  m.def("stamp(Tensor[] values, Tensor? records, int owner, int first_row, str labels) -> ()");
 }
 
 // Records are statistics, not differentiable values: autograd falls through, so a record never
@@ -29,5 +29,5 @@ TORCH_LIBRARY_IMPL(nanscan, Autograd, m) {
   m.impl("triton_summarize", torch::CppFunction::makeFallthrough());
   m.impl("triton_summarize_many", torch::CppFunction::makeFallthrough());
   m.impl("stamp_rows_", torch::CppFunction::makeFallthrough());
-  m.impl("stamp_grad", torch::CppFunction::makeFallthrough());
+  m.impl("stamp", torch::CppFunction::makeFallthrough());
 }

@@ -15,9 +15,9 @@ reference   (no op: plain PyTorch)                     nanscan/kernels/reference
 
 ``nanscan::stamp_rows_`` is not a summary: the monitor's compiled path writes the records of one
 hook into rows of its buffer with it (one graph node per hook; csrc/monitor/stamp_rows.cpp, one
-composite kernel for every device). ``nanscan::stamp_grad`` does the same for one gradient in a
-compiled backward, into a buffer named by ``nanscan._C.set_stamp_target`` (effectful: kept by the
-compiler, in order).
+composite kernel for every device). ``nanscan::stamp`` does the same into a buffer named by
+``nanscan._C.set_stamp_target`` -- the op the traced hooks call (effectful: kept by the compiler,
+in order; see csrc/monitor/stamp_rows.cpp for why the buffer is not an argument).
 
 The library is loaded at ``import nanscan`` (a dlopen and a few registrations). When it is missing
 or stale the import still succeeds, the error is kept, and it is raised -- loudly, with the fix --
@@ -40,7 +40,7 @@ from nanscan.record import RECORD_SIZE
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(PACKAGE_DIR)
 BACKENDS = ("cpu", "cuda", "triton", "reference")
-OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_", "stamp_grad")
+OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_", "stamp")
 REBUILD_HINT = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the nanscan checkout"
 
 
@@ -117,7 +117,7 @@ def _triton_summarize_many(xs: list) -> torch.Tensor:
     return _triton_module(xs[0].device if xs else torch.device("cpu")).summarize_many(xs)
 
 
-# Set by nanscan.monitor.traced: told, while a graph is traced, what each stamp_rows_ in it writes.
+# Set by nanscan.monitor.traced: told, while a graph is traced, what each stamp (or stamp_rows_) in it writes.
 STAMP_TRACED: Optional[Callable] = None
 
 
@@ -130,19 +130,19 @@ def _fake_stamp_rows(buffer, counter, values, records, first_row, owner, labels)
         STAMP_TRACED(owner, first_row, values, labels)
 
 
-def _fake_stamp_grad(grad, record, owner, row, label) -> None:
-    """As ``_fake_stamp_rows``, for one gradient row."""
+def _fake_stamp(values, records, owner, first_row, labels) -> None:
+    """As ``_fake_stamp_rows``."""
     if STAMP_TRACED is not None:
-        STAMP_TRACED(owner, row, [grad], label)
+        STAMP_TRACED(owner, first_row, values, labels)
 
 
 def _register_python_kernels() -> None:
     torch.library.register_fake("nanscan::stamp_rows_")(_fake_stamp_rows)
-    torch.library.register_fake("nanscan::stamp_grad")(_fake_stamp_grad)
-    # stamp_grad writes a buffer the compiler cannot see (not an argument: see stamp_rows.cpp): an
+    torch.library.register_fake("nanscan::stamp")(_fake_stamp)
+    # stamp writes a buffer the compiler cannot see (not an argument: see stamp_rows.cpp): an
     # ordered effect keeps it in the graph, in order.
     from torch._library.effects import EffectType
-    torch.library._register_effectful_op("nanscan::stamp_grad", EffectType.ORDERED)
+    torch.library._register_effectful_op("nanscan::stamp", EffectType.ORDERED)
     torch.library.register_fake("nanscan::summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::triton_summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::summarize_many")(_fake_summarize_many)

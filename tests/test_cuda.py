@@ -320,8 +320,9 @@ def test_many_cache_hit_copies_nothing():
 
 def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
     # inductor with CUDA graphs (mode="reduce-overhead"; plain inductor is tested on CPU): the traced
-    # stamps (and, where this torch traces tensor hooks into graphs, the gradient hooks' effectful
-    # stamp_grad) must still write the monitor's buffer on every replay.
+    # stamps (nanscan::stamp: effectful, its buffer named by owner, not an argument) must still write
+    # the monitor's buffer on every replay -- forward, and backward where this torch traces tensor
+    # hooks into graphs.
     mode = "reduce-overhead"
     from nanscan.monitor.traced import GRAD_HOOKS
     from tests.test_monitor_loops import SqNet, key

@@ -24,9 +24,10 @@ def sample_inputs(op_name, device):
         values = [torch.randn(3, 4, device=device), torch.ones(2, device=device)]
         records = torch.arange(16, dtype=torch.float64, device=device).reshape(2, 8)
         return [(*fresh(), values, None, 2, 0, ""), (*fresh(), values, records, 1, 0, "a\x1fb")]
-    if op_name == "stamp_grad":  # (grad, record, owner, row, label): owner 0 names no buffer, a no-op
-        record = torch.arange(8, dtype=torch.float64, device=device)
-        return [(torch.randn(3, 4, device=device), None, 0, 1, ""), (torch.ones(2, device=device), record, 0, 0, "g")]
+    if op_name == "stamp":  # (values, records, owner, first_row, labels): owner 0 names no buffer, a no-op
+        records = torch.arange(16, dtype=torch.float64, device=device).reshape(2, 8)
+        values = [torch.randn(3, 4, device=device), torch.ones(2, device=device)]
+        return [(values, None, 0, 1, ""), (values, records, 0, 0, "a\x1fb")]
     x = torch.tensor([[1.0, float("nan"), -3.0], [0.0, float("inf"), 2.0]], device=device)
     y = torch.arange(10, dtype=torch.int32, device=device)
     many = op_name.endswith("_many")
@@ -131,18 +132,21 @@ def test_stamp_rows_writes_records_and_sequence_numbers():
         torch.ops.nanscan.stamp_rows_(buffer, counter, values[:1], given.float(), 0, 0, "")
 
 
-def test_stamp_grad_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_dropped():
+def test_stamp_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_dropped():
     from nanscan import _C
 
     buffer, counter = torch.zeros(4, 12, dtype=torch.float64), torch.full((1,), 5.0, dtype=torch.float64)
     grad = torch.tensor([1.0, float("nan"), -2.0])
     _C.set_stamp_target(4242, buffer, counter)
     try:
-        torch.ops.nanscan.stamp_grad(grad, None, 4242, 2, "")
+        torch.ops.nanscan.stamp([grad], None, 4242, 2, "")
+        given = torch.arange(8, dtype=torch.float64)  # one record of another backend, for one value
+        torch.ops.nanscan.stamp([grad], given, 4242, 0, "")
     finally:
         _C.set_stamp_target(4242, None, None)
     assert_record_matches(buffer[2, :8], reference.summarize(grad), grad)
-    assert buffer[2, 8].item() == 6.0 and counter.item() == 6.0  # the sequence number, then the counter
-    assert buffer[[0, 1, 3]].abs().sum().item() == 0.0
-    torch.ops.nanscan.stamp_grad(grad, None, 4242, 1, "")  # dropped: nothing is written
-    assert buffer[1].abs().sum().item() == 0.0 and counter.item() == 6.0
+    assert torch.equal(buffer[0, :8], given)
+    assert buffer[2, 8].item() == 6.0 and buffer[0, 8].item() == 7.0 and counter.item() == 7.0  # sequence numbers
+    assert buffer[[1, 3]].abs().sum().item() == 0.0
+    torch.ops.nanscan.stamp([grad], None, 4242, 1, "")  # dropped: nothing is written
+    assert buffer[1].abs().sum().item() == 0.0 and counter.item() == 7.0

@@ -53,7 +53,7 @@
 
 namespace nanscan {
 
-// csrc/monitor/stamp_rows.cpp: the buffer nanscan::stamp_grad writes for a compiled path's owner.
+// csrc/monitor/stamp_rows.cpp: the buffer nanscan::stamp writes for a compiled path's owner.
 void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, const c10::optional<at::Tensor>& counter);
 
 enum RowKind : uint8_t { kOutput = 0, kBody = 1, kBatch = 2, kLoss = 3 };
@@ -742,7 +742,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &GradSink::size)
       .def("take", &GradSink::take);
   m.def("set_stamp_target", &set_stamp_target, py::arg("owner"), py::arg("buffer"), py::arg("counter"),
-        "name the buffer and counter nanscan::stamp_grad writes for owner (None: drop it)");
+        "name the buffer and counter nanscan::stamp writes for owner (None: drop it)");
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
   m.def("param_grads", &param_grads, "(grads that exist, None or the indices of their parameters)");
   m.def("nonfinite_rows", &nonfinite_rows, "rows < n of host records with a NaN / Inf count");

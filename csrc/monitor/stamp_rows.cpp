@@ -24,15 +24,17 @@
 // with the values' dtypes and shapes, to the monitor when the graph is traced -- the one moment
 // Python runs -- so nothing else is noted per hook. One composite kernel serves every device.
 //
-// nanscan::stamp_grad : the same write for one gradient, in a compiled graph's backward (a tensor
-// hook on a module output, or a tap). Its buffer and counter are not arguments but found by
-// `owner`: tensors a hook captures become inputs the forward graph saves for its backward, and
-// autograd checks their version at the backward -- which a later graph's stamps (graph breaks,
-// several compiled regions per step) have moved on, failing the backward. So the monitor names
-// its buffer once (`set_stamp_target`), and the op, having no tensor to mutate that the compiler
-// can see, is registered as effectful (nanscan/_ops.py: kept, and kept in order).
+// nanscan::stamp : the same write, into the buffer and counter named for `owner` -- the op the
+// monitor's traced hooks call. They are not arguments: a buffer the compiler sees mutated costs a
+// functionalization per op at compile time (AOT autograd: about 10 ms each), and tensors a hook
+// captures for the backward become inputs the forward graph saves, whose version autograd checks at
+// the backward -- which a later graph's stamps (graph breaks, several compiled regions per step)
+// have moved on, failing the backward. So the monitor names its buffer once (`set_stamp_target`),
+// and the op, mutating nothing the compiler can see, is registered as effectful (nanscan/_ops.py:
+// kept, and kept in order).
 //
-//   stamp_grad(grad, record, owner, row, label) = stamp_rows_(buffer[owner], counter[owner], [grad], record, row, ...)
+//   stamp(values, records, owner, first_row, labels)
+//     = stamp_rows_(buffer[owner], counter[owner], values, records, first_row, owner, labels)
 //   (nothing when no buffer is named for owner: its monitor was closed)
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -93,8 +95,8 @@ void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, co
   }
 }
 
-void stamp_grad(const at::Tensor& grad, const c10::optional<at::Tensor>& record, int64_t owner, int64_t row,
-                c10::string_view label) {
+void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int64_t owner, int64_t first_row,
+           c10::string_view labels) {
   at::Tensor buffer, counter;
   {
     std::lock_guard<std::mutex> lock(targets_mutex);
@@ -103,14 +105,16 @@ void stamp_grad(const at::Tensor& grad, const c10::optional<at::Tensor>& record,
     buffer = found->second.first;
     counter = found->second.second;
   }
-  c10::optional<at::Tensor> records;
-  if (record.has_value() && record->defined()) records = record->reshape({1, -1}).to(buffer.device());
-  stamp_rows_(buffer, counter, {grad}, records, row, owner, label);
+  c10::optional<at::Tensor> given;
+  if (records.has_value() && records->defined()) {
+    given = records->reshape({static_cast<int64_t>(values.size()), -1}).to(buffer.device());
+  }
+  stamp_rows_(buffer, counter, values, given, first_row, owner, labels);
 }
 
 }  // namespace nanscan
 
 TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
   m.impl("stamp_rows_", &nanscan::stamp_rows_);
-  m.impl("stamp_grad", &nanscan::stamp_grad);
+  m.impl("stamp", &nanscan::stamp);
 }

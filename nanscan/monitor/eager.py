@@ -201,13 +201,13 @@ class EagerHooks:
     # --------------------------------------------------------------- the hooks
     # Everything a call needs is bound once here: in eager a hook is one check and one C++ call.
     # While dynamo traces them, the common calls -- module(x) -> tensor -- take a fast path that is
-    # one graph op (``stamp_rows_``) and as few traced lines as possible: dynamo traces every line
+    # one graph op (``nanscan::stamp``) and as few traced lines as possible: dynamo traces every line
     # of every hook at every module call, and that is most of a watched model's compile time
     # (benchmarks/compile_time.py). Everything else goes through TracedRows.write_*.
     def _pre_hook(self, info: ModuleInfo):
         traced, pre, index = self.monitor.traced, self._pre, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
-        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp_rows_, torch.Tensor, torch.is_grad_enabled
+        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
         row, owner, model = info.row_base, id(traced), traced.model
 
         if info.leaf:  # (its inputs are stamped by its hook, with its outputs)
@@ -221,7 +221,7 @@ class EagerHooks:
                     if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor:
                         t = args[0]
                         if grad_enabled() and model.training and (t.is_floating_point() or t.is_complex()):
-                            stamp(traced.buffer, traced.counter, [t], None, row, owner, "")
+                            stamp([t], None, owner, row, "")
                             if type(t.numel()) is not int:
                                 traced.write_shape(row, t)
                         return None
@@ -233,7 +233,7 @@ class EagerHooks:
     def _post_hook(self, info: ModuleInfo):
         traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
-        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp_rows_, torch.Tensor, torch.is_grad_enabled
+        stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
         row, owner, model = info.row_base + traced.INPUTS, id(traced), traced.model  # (its first output row)
         grad_hook = traced.grad_hook(info, 0) if traced.grad_hooks else None  # (the gradient into its output)
 
@@ -259,7 +259,7 @@ class EagerHooks:
                             if grad_hook is not None and output.requires_grad:
                                 output.register_hook(grad_hook)
                         if values:
-                            stamp(traced.buffer, traced.counter, values, None, first, owner, "")
+                            stamp(values, None, owner, first, "")
                             for k, v in enumerate(values):
                                 if type(v.numel()) is not int:
                                     traced.write_shape(first + k, v)
@@ -271,7 +271,7 @@ class EagerHooks:
                 if dynamo_compiling() or compiler._is_compiling_flag:
                     if traced.stamping and type(output) is Tensor and grad_enabled() and model.training:
                         if output.is_floating_point() or output.is_complex():
-                            stamp(traced.buffer, traced.counter, [output], None, row, owner, "")
+                            stamp([output], None, owner, row, "")
                             if type(output.numel()) is not int:
                                 traced.write_shape(row, output)
                             if grad_hook is not None and output.requires_grad:

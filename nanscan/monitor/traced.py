@@ -6,9 +6,11 @@ every watched module owns static rows of a device buffer, fixed at ``watch``: ``
 its first floating inputs and ``OUTPUTS`` rows for its floating outputs. A traced hook writes its
 values' records into its rows together with values of a device counter (the host learns which
 rows ran in this read window, and in which order: several graphs per step, graph breaks, several
-forwards per optimizer step) in two graph ops -- one ``summarize_many``, one
-``nanscan::stamp_rows_`` -- and the values' real shapes are noted at trace time. The read decodes the written rows into
-slots like eager ones, so attribution is the same code.
+forwards per optimizer step) in one graph op, ``nanscan::stamp`` (csrc/monitor/stamp_rows.cpp:
+it summarizes and writes; the buffer is named once per monitor, not passed, and the op is
+effectful -- the compiler keeps it, in order, and has no mutation to functionalize) -- and the
+values' real shapes are noted at trace time. The read decodes the written rows into slots like
+eager ones, so attribution is the same code.
 
 Rows are static, so a row written twice in one read window keeps only its last value; each row
 counts its writes, and such a row is kept ``stale`` (never an incident, "cannot tell" downstream).
@@ -25,7 +27,7 @@ are ``derived`` candidates named after the parent. Output labels (``[0].y``) are
 trace time.
 
 Compile time is dynamo tracing the hooks (every line, at every module call) and AOT autograd
-functionalizing each ``stamp_rows_``. So the common call (``module(x) -> tensor``) takes a fast
+handling each stamp. So the common call (``module(x) -> tensor``) takes a fast
 path of a few traced lines (``EagerHooks._pre_hook`` / ``_post_hook``), and a *leaf* module (no
 hooked descendant, not in place, not the root) makes one stamp per call: its inputs are stamped
 with its outputs, after its forward -- no other hook runs in between, so production order is
@@ -37,8 +39,7 @@ an earlier stamp saw it (or that no stamp saw, with a version above 0) is kept `
 Gradients (the default, where this torch traces tensor hooks into graphs: ``GRAD_HOOKS``): the
 traced hook registers a tensor hook on each recorded module output that requires grad; dynamo
 traces it into the graph and it runs in the compiled backward, writing the gradient flowing into
-that output into the output's gradient row with ``nanscan::stamp_grad`` (the buffer is found by
-owner, not passed: see csrc/monitor/stamp_rows.cpp). The module whose backward made that gradient
+that output into the output's gradient row. The module whose backward made that gradient
 is the output's consumer: while dynamo traces, its fake tensors have identity, so the stamps note
 which modules took each recorded output as an input -- per trace, because graphs of different
 structure (a recompile) write the same rows; at the read, only the notes of the traces whose rows
@@ -171,7 +172,7 @@ def _in_dynamo_trace() -> bool:
 
 
 def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> None:
-    """What one traced ``stamp_rows_`` writes -- its rows' labels, dtypes and static shapes --
+    """What one traced ``nanscan::stamp`` writes -- its rows' labels, dtypes and static shapes --
     noted while the graph is traced (called by the op's fake kernel, nanscan/_ops.py: the traced
     hook itself makes no Python call for it, because every call dynamo traces costs compile time).
     A symbolic (dynamic) shape is not noted: the hook writes it into the row at run time.
@@ -317,6 +318,7 @@ class TracedRows:
         # gradient taps, through the hooks' fast path (``stamping``). Set by set_recording: dynamo
         # guards on each as on one constant, where the monitor's state would be several.
         self.recording = self.stamping = False
+        self._retired: list = []  # buffers of earlier devices (model.to(...)): kept alive
         self.snapshots: list = []  # device copies of the rows of earlier forwards in this read window
         self.forwards = 0  # training forwards of the root in this read window (see begin_forward)
         base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
@@ -356,6 +358,8 @@ class TracedRows:
 
     def allocate(self, device) -> None:
         if self.buffer is None or self.buffer.device != device:
+            if self.buffer is not None:  # (a CUDA graph captured with it may write it at a replay)
+                self._retired.append((self.buffer, self.counter))
             self.buffer = torch.zeros(len(self.rows), COLUMNS, dtype=torch.float64, device=device)
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
             self.record_one, self.record_many = self.kernels_for(device)
@@ -382,10 +386,9 @@ class TracedRows:
         return record_grad
 
     def write_grad(self, row: int, grad, label: str = "") -> None:
-        """A gradient's record into ``row``, inside a compiled backward: ``nanscan::stamp_grad``,
-        which finds the buffer by owner (csrc/monitor/stamp_rows.cpp says why it is no argument)."""
+        """A gradient's record into ``row``, inside a compiled backward."""
         record = None if self.default_kernels and grad.device == self.buffer.device else self.record_one(grad)
-        torch.ops.nanscan.stamp_grad(grad, record, id(self), row, label)
+        torch.ops.nanscan.stamp([grad], record, id(self), row, label)
         if type(grad.numel()) is not int:
             self.write_shape(row, grad)
 
@@ -411,9 +414,9 @@ class TracedRows:
         return self.recording and torch.is_grad_enabled() and self.model.training
 
     def _write_rows(self, first_row: int, values: list, labels: str = "") -> None:
-        """One hook's values into consecutive rows from ``first_row``: two graph ops per hook, their
-        records and sequence numbers into the buffer in one ``nanscan::stamp_rows_``
-        (csrc/monitor/stamp_rows.cpp; another backend's records come from one more op).
+        """One hook's values into consecutive rows from ``first_row``: their records and sequence
+        numbers into the buffer in one ``nanscan::stamp`` (csrc/monitor/stamp_rows.cpp; another
+        backend's records come from one more op).
         ``labels``: the rows' labels joined by ``_LABEL_SEP`` ("" for a row's own name). Labels,
         dtypes and static shapes are noted at trace time (``_noted_at_trace``); only symbolic
         (dynamic) shapes are written at run time."""
@@ -431,7 +434,7 @@ class TracedRows:
             records = self.record_many(values)
         if records is not None and records.requires_grad:  # (a backend without the autograd fall-through)
             records = records.detach()
-        torch.ops.nanscan.stamp_rows_(self.buffer, self.counter, values, records, first_row, id(self), labels)
+        torch.ops.nanscan.stamp(values, records, id(self), first_row, labels)
         for k, t in enumerate(values):
             if type(t.numel()) is not int:  # a symbolic shape: written at run time (static ones are noted)
                 self.write_shape(first_row + k, t)
