@@ -527,3 +527,42 @@ def test_a_module_called_twice_is_named_and_never_said_to_produce_what_it_cannot
     # The first call's row was overwritten by the second: its value survives as `mid`'s input,
     # named after the module that made it; what that call received is gone, so produced is None.
     assert key(compiled)[:4] == key(eager)[:4] and compiled.produced is None
+
+
+class ThreeInputs(nn.Module):
+    """Takes three floating inputs: in a graph only the first two are stamped (INPUTS rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fault = False
+
+    def forward(self, a, b, c):
+        return a + b + (c + torch.sqrt(c * 0.0) if self.fault else c)
+
+
+class ThirdInputNet(nn.Module):
+    """`inp`'s output goes to `q` and, as an unstamped third input, to `three`, whose backward makes
+    the NaN: a graph sees only `q` take it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+        self.three = ThreeInputs()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.head(self.three(x, x * 2.0, h) + self.q(h))
+
+
+@pytest.mark.skipif(not GRAD_HOOKS, reason="this torch traces no tensor hook into a graph")
+def test_a_consumer_through_an_unstamped_input_is_never_left_out():
+    # Without the rule, `q` looked like the one consumer of `inp`'s output and was named, produced.
+    def plant(m, i):
+        m.three.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(ThirdInputNet, 3, plant, dict(backend="aot_eager", fullgraph=True))
+    assert key(eager) == (1, "backward", "inp (output grad)", "grad", None)  # two consumers: cannot tell
+    assert incident_tuple(compiled) == incident_tuple(eager)

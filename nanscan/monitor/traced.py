@@ -115,6 +115,10 @@ _SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
 
 
 _LABEL_SEP = "\x1f"
+# Ends a stamp's labels when the module had more floating inputs than its INPUTS rows: the modules
+# that took a value as such an input are not known, so neither is a value's set of consumers.
+_MORE_INPUTS = "\x1e"
+_PARTIAL_TRACES: set = set()  # (id(TracedRows), trace) that stamped a module with inputs left out
 
 
 # Version counters of the (fake) tensors the traced stamps have seen, and the post-time input rows
@@ -183,9 +187,13 @@ def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> No
     input row is trusted when its tensor's version is the one an earlier stamp saw, or 0 if none
     saw it. Otherwise the row is kept ``stale`` (never an incident; a value computed from it gets
     ``produced=None``): nanscan cannot tell what the module received."""
+    partial = labels.endswith(_MORE_INPUTS)
+    labels = labels[:-1] if partial else labels
     names = labels.split(_LABEL_SEP) if labels else []
     rows = _ROWS.get(owner) if LEAF_STAMPS and _in_dynamo_trace() else None
     trace = _trace_id() if rows is not None else None
+    if partial and trace is not None:
+        _PARTIAL_TRACES.add((owner, trace))
     for k, t in enumerate(values):
         row = first_row + k
         key = (owner, row)
@@ -401,7 +409,7 @@ class TracedRows:
         self.recording = self.stamping = False
         if self.buffer is not None:
             self.monitor._extension.set_stamp_target(id(self), None, None)
-        for keys in (_UNTRUSTED, _NEEDS_GRAD):
+        for keys in (_UNTRUSTED, _NEEDS_GRAD, _PARTIAL_TRACES):
             keys.difference_update([k for k in keys if k[0] == id(self)])
         for notes in (_NOTES, _SHAPES, _CONSUMERS, _EXPLAINED, _TRACE_ROWS):
             for key in [k for k in notes if k[0] == id(self)]:
@@ -454,7 +462,7 @@ class TracedRows:
         trusted). Only without gradient taps (which must wrap the inputs before the forward)."""
         if not self._recording():
             return None
-        values, labels = [], []
+        values, labels, more = [], [], ""
         for container, keys in ((args, range(len(args))), (kwargs, list(kwargs))):
             for i in keys:
                 found = float_tensors(container[i], f"input[{i}]" if container is args else f"input.{i}", [])
@@ -462,11 +470,13 @@ class TracedRows:
                     if len(values) < INPUTS:
                         values.append(t)
                         labels.append("")
+                    else:
+                        more = _MORE_INPUTS
         n_in = len(values)
         found = float_tensors(output, "", [])[:OUTPUTS]
         values += [t for _, t in found]
         labels += [info.name + label for label, _ in found]
-        self._write_rows(info.row_base + INPUTS - n_in, values, _LABEL_SEP.join(labels))
+        self._write_rows(info.row_base + INPUTS - n_in, values, _LABEL_SEP.join(labels) + more)
         self._hook_grads(info, found)
         return None
 
@@ -506,7 +516,8 @@ class TracedRows:
                             _note(id(self), grad_base + k, None, t.dtype)
                             container[i] = _Tap.apply(t, id(self), grad_base + k)
                     k += 1
-        self._write_rows(base, values, _LABEL_SEP.join(labels))  # (the inputs as they came in, before any tap)
+        more = _MORE_INPUTS if k > INPUTS and not info.is_root else ""  # (the root's inputs are the batch)
+        self._write_rows(base, values, _LABEL_SEP.join(labels) + more)  # (the inputs as they came in, before any tap)
         return tuple(new_args), new_kwargs
 
     def write_outputs(self, info, output):
@@ -640,6 +651,8 @@ class TracedRows:
                 slots[index - offset].grad_of = forward
                 slots[forward - offset].grad = index
         calls = {}  # consumer module name -> Call
+        if any((id(self), trace) in _PARTIAL_TRACES for trace in ran):
+            return  # (a module took inputs that were not stamped: no value's consumers are known)
         for row, index in index_of_row.items():
             notes = _CONSUMERS.get((id(self), row))
             if not notes:
