@@ -335,19 +335,6 @@ class InPlace(nn.Module):
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_in_place_ops_on_module_outputs_compile_with_the_default_options(fullgraph):
-    # Default: no taps inside the graph, so in-place ops on module outputs compile and run; the
-    # forward fault is the eager one, and a backward-only fault there would say "cannot tell".
-    def plant(model, i):
-        model.fault = i == 2
-        return torch.randn(4, 8)
-
-    eager, compiled = eager_and_compiled(InPlace, 4, plant, dict(backend="aot_eager", fullgraph=fullgraph))
-    assert incident_tuple(compiled) == incident_tuple(eager)
-    assert key(compiled) == (2, "forward", "(model)", "activation", True)
-
-
-@pytest.mark.parametrize("fullgraph", [False, True])
 @pytest.mark.parametrize("backend,make", [("aot_eager", SqNet), ("inductor", SqNet), ("aot_eager", "DictSqNet")])
 def test_compiled_backward_fault_with_the_default_options(backend, make, fullgraph):
     # Default: a tensor hook on every module output, traced into the graph where this torch can
@@ -366,21 +353,6 @@ def test_compiled_backward_fault_with_the_default_options(backend, make, fullgra
         assert (compiled.step, compiled.phase, compiled.kind, compiled.produced) == (1, "backward", "grad", None)
 
 
-@pytest.mark.parametrize("off", ["off", False])
-def test_compiled_grads_off_says_it_cannot_tell(off):
-    # No gradient records inside the graph (the shortest compile): a backward-only fault is the first
-    # non-finite parameter gradient, produced=None -- never a guess.
-    def plant(m, i):
-        m.fault = i == 1
-        return torch.randn(4, 8)
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    inc, mon = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True), compiled_grads=off)
-    assert not mon.traced.grad_hooks and not mon.compiled_grads
-    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
-
-
 class SqAfterInPlace(InPlace):
     """InPlace with a backward-only fault consuming the in-place ReLU's output."""
 
@@ -395,18 +367,39 @@ class SqAfterInPlace(InPlace):
         return self.head(self.sq(out) if self.fault else out)
 
 
-@pytest.mark.skipif(not GRAD_HOOKS, reason="this torch traces no tensor hook into a graph")
+@pytest.mark.parametrize("fault", ["forward", "backward"])
 @pytest.mark.parametrize("fullgraph", [False, True])
-def test_a_backward_fault_after_in_place_ops_is_named_like_eager(fullgraph):
-    # The gradient hooks leave module outputs as they are (no view, unlike taps): in-place ops on
-    # them compile, and the hook on `lin`'s output receives the gradient of the value it made.
+def test_in_place_ops_on_module_outputs_compile_and_are_named_like_eager(fault, fullgraph):
+    # Default options: the gradient hooks leave module outputs as they are (no view, unlike taps),
+    # so in-place ops on them compile, and the hook on `lin`'s output receives the gradient of the
+    # value it made.
+    if fault == "backward" and not GRAD_HOOKS:
+        pytest.skip("this torch traces no tensor hook into a graph")
+    make, at, expected = {"forward": (InPlace, 2, (2, "forward", "(model)", "activation", True)),
+                          "backward": (SqAfterInPlace, 1, (1, "backward", "sq", "grad", True))}[fault]
+
+    def plant(model, i):
+        model.fault = i == at
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(make, at + 2, plant, dict(backend="aot_eager", fullgraph=fullgraph))
+    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert key(eager) == expected
+
+
+@pytest.mark.parametrize("off", ["off", False])
+def test_compiled_grads_off_says_it_cannot_tell(off):
+    # No gradient records inside the graph (the shortest compile): a backward-only fault is the first
+    # non-finite parameter gradient, produced=None -- never a guess.
     def plant(m, i):
         m.fault = i == 1
         return torch.randn(4, 8)
 
-    eager, compiled = eager_and_compiled(SqAfterInPlace, 3, plant, dict(backend="aot_eager", fullgraph=fullgraph))
-    assert incident_tuple(compiled) == incident_tuple(eager)
-    assert key(eager) == (1, "backward", "sq", "grad", True)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    inc, mon = run(SqNet(), 3, plant, dict(backend="aot_eager", fullgraph=True), compiled_grads=off)
+    assert not mon.traced.grad_hooks and not mon.compiled_grads
+    assert (inc.step, inc.phase, inc.kind, inc.produced) == (1, "backward", "grad", None)
 
 
 class _NoUpdate(torch.optim.SGD):
