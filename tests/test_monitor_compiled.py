@@ -559,3 +559,13 @@ def test_a_consumer_through_an_unstamped_input_is_never_left_out():
     eager, compiled = eager_and_compiled(ThirdInputNet, 3, plant, dict(backend="aot_eager", fullgraph=True))
     assert key(eager) == (1, "backward", "inp (output grad)", "grad", None)  # two consumers: cannot tell
     assert incident_tuple(compiled) == incident_tuple(eager)
+
+
+def test_async_mode_decodes_compiled_sub_windows_a_step_later_like_eager():
+    def plant(m, i, micro):
+        m.fault = (i, micro) == (1, 0)
+        return torch.randn(4, 8)
+
+    eager = _accumulating_run(False, plant, mode="async")
+    compiled = _accumulating_run(True, plant, mode="async")
+    assert compiled[:1] == eager[:1] == [(1, "backward", "sq", "grad", True)]
