@@ -569,3 +569,28 @@ def test_async_mode_decodes_compiled_sub_windows_a_step_later_like_eager():
     eager = _accumulating_run(False, plant, mode="async")
     compiled = _accumulating_run(True, plant, mode="async")
     assert compiled[:1] == eager[:1] == [(1, "backward", "sq", "grad", True)]
+
+
+class CalledTwiceAcrossABreak(CalledTwice):
+    """CalledTwice with a graph break between the two calls of `gate`: the first call's value
+    reaches `mid` as an input of the second graph, where no note says who made it."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.gate(h if self.fault else h.abs() + 1.0)
+        torch._dynamo.graph_break()
+        h = self.mid(h)
+        return self.head(self.gate(h.abs() + 1.0))
+
+
+def test_a_module_called_twice_across_a_graph_break_is_never_called_the_parents_body():
+    def plant(m, i):
+        m.fault = i == 1
+        return torch.randn(4, 8)
+
+    eager, compiled = eager_and_compiled(CalledTwiceAcrossABreak, 3, plant, dict(backend="aot_eager"))
+    assert key(eager) == (1, "forward", "gate", "activation", True)
+    # Before: "(model)", produced (the root's body). The value `mid` took is the lost first call's
+    # output: either `gate` is named, or nanscan says it cannot tell.
+    assert (compiled.step, compiled.phase) == (1, "forward")
+    assert compiled.name == "gate" or compiled.produced is None

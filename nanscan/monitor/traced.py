@@ -625,12 +625,20 @@ class TracedRows:
         """An input row that took a module's output (noted at trace time) whose own row was written
         again later (the module called twice): the input row is the one record left of that earlier
         output. It is not a value of the parent's body -- it is named after the module that made
-        it, with ``produced=None`` (what that call received was overwritten too)."""
+        it, with ``produced=None`` (what that call received was overwritten too).
+
+        In a window with an overwritten output, an input row that no trace that ran explains (it
+        came from another graph, across a graph break, or its graph's notes are unknown) may hold
+        that lost output: it is kept stale, never called a value of the parent's body."""
+        overwritten_outputs = any(self.rows[r].is_output and self.rows[r].phase == "forward"
+                                  and slots[i - offset].stale for r, i in index_of_row.items())
         for row, index in index_of_row.items():
             notes = _EXPLAINED.get((id(self), row))
-            if not notes:
+            made = set().union(*(rows for trace, rows in notes.items() if trace in ran)) if notes else set()
+            if not made:
+                if overwritten_outputs and slots[index - offset].derived:
+                    slots[index - offset].stale = True
                 continue
-            made = set().union(*(rows for trace, rows in notes.items() if trace in ran))
             overwritten = [r for r in made if r in index_of_row and slots[index_of_row[r] - offset].stale]
             if not overwritten:
                 continue
