@@ -593,3 +593,30 @@ def test_parameters_without_a_gradient_are_skipped_and_the_rest_named():
     assert model.unused.weight.grad is None
     inc = mon.incidents[0]  # (the NaN then reaches the weight and the next steps: recorded, not raised)
     assert (inc.step, inc.phase, inc.kind, inc.name) == (1, "backward", "grad", "body.weight")
+
+
+@pytest.mark.parametrize("overwrite_params", [False, True])
+def test_a_model_moved_after_watch_is_checked_in_its_new_tensors(overwrite_params):
+    # model.to(dtype) after watch: the buffers are new tensors (and, with the overwrite flag, the
+    # parameters too); the checks must read the new ones, not the old ones.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 1))
+    mon = nanscan.watch(model)  # (no optimizer: steps end at the next training forward)
+    previous = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(overwrite_params)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(4):
+            if i == 2:
+                with torch.no_grad():
+                    model[0].weight.mul_(1e200)  # float64 outputs ~1e200: finite; their variance is not
+            model(torch.randn(2, 3, 6, 6, dtype=torch.float64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.name, inc.kind) == (2, "1.running_var", "buffer")
+    assert inc.summary.dtype == torch.float64

@@ -97,17 +97,7 @@ class Monitor:
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
-        self._first_param = next(iter(model.parameters()))
-        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._param_names = [n for n, _ in self._params]
-        self._all_param_names = frozenset(self._param_names)
-        self._param_tensors = [p for _, p in self._params]
-        # FSDP2 / tensor parallelism: DTensor parameters (and gradients, optimizer state) are
-        # summarized shard-locally (distributed.local_shards). Decided once: plain models pay nothing.
-        self._sharded = distributed.has_dtensors(self._param_tensors)
-        self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
-        self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
-                         if b.is_floating_point() or b.is_complex()] if buffers else []
+        self._collect_tensors()
         extension = self._extension = _ops.monitor_extension()
         if extension is None:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
@@ -169,6 +159,36 @@ class Monitor:
             self._handles.append(self.optimizer.register_step_post_hook(eager(self._optimizer_post_hook)))
         if self.scaler is not None:
             self._wrap_scaler_step()
+
+    def _collect_tensors(self) -> None:
+        """The model's parameters and floating buffers, as the checks read them."""
+        model = self.model
+        self._first_param = next(iter(model.parameters()))
+        self._where = (self._first_param.device, self._first_param.dtype)
+        self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._param_names = [n for n, _ in self._params]
+        self._all_param_names = frozenset(self._param_names)
+        self._param_tensors = [p for _, p in self._params]
+        # FSDP2 / tensor parallelism: DTensor parameters (and gradients, optimizer state) are
+        # summarized shard-locally (distributed.local_shards). Decided once: plain models pay nothing.
+        self._sharded = distributed.has_dtensors(self._param_tensors)
+        self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
+        self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
+                         if b.is_floating_point() or b.is_complex()] if self.buffers else []
+
+    def _follow_moves(self) -> None:
+        """After ``model.to(...)`` (device or dtype) the buffers are new tensors, and with
+        ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` (or ``to_empty``) so are
+        the parameters: the checks would read the old ones and miss what the new ones hold. Asked
+        at every step end for the price of one parameter lookup; a move collects them again. Not
+        for sharded models: FSDP2 registers unsharded parameters in place of the sharded ones for
+        a while; they are not a move."""
+        if self._sharded:
+            return
+        first = next(iter(self.model.parameters()), None)
+        if first is None or (first is self._first_param and (first.device, first.dtype) == self._where):
+            return
+        self._collect_tensors()
 
     def _model_device(self) -> torch.device:
         # (The first parameter, kept: model.to() moves a Parameter's data in place, so its device
@@ -375,7 +395,8 @@ class Monitor:
             self.step_index += 1
             self.checking = self.step_index % self.every == 0
             self.traced.set_recording()
-            if self.activations:  # the model may have moved (model.to(device) after watch)
+            self._follow_moves()  # the model may have moved (model.to(device) after watch)
+            if self.activations:
                 self.traced.allocate(self._model_device())
             self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
             self._applied = False
