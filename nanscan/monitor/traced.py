@@ -46,7 +46,7 @@ structure (a recompile) write the same rows; at the read, only the notes of the 
 ran apply (:meth:`TracedRows._traces_that_ran`). Attribution is then the eager rule: one consumer,
 named, produced when the gradients of its own outputs were finite; several, "cannot tell".
 
-Gradients with taps (``watch(..., compiled_grads=True)``, off by default): an identity autograd
+Gradients with taps (``watch(..., compiled_grads="taps")``, or ``True``): an identity autograd
 Function, :class:`_Tap`, whose output is a view (autograd then forbids in-place ops on it, so a
 model that modifies module inputs or outputs in place cannot use it) on a module's top-level
 floating inputs and outputs (a tensor, or tensors in a tuple / list) that require grad; its
