@@ -95,6 +95,15 @@ CASES = {
 }
 
 
+def like_eager(compiled, eager) -> bool:
+    """Compiled = eager; except for a backward fault where this torch traces no gradient hook into
+    a graph (torch 2.11): there nanscan must say it cannot tell (``produced=None``) at the same
+    step, phase and kind, never guess. ``compiled`` / ``eager``: incident keys."""
+    if GRAD_HOOKS or eager[1] != "backward":
+        return compiled == eager
+    return compiled[:2] == eager[:2] and compiled[3] == eager[3] and compiled[4] is None
+
+
 def incident_tuple(inc):
     return key(inc) + (inc.summary.shape, inc.summary.nan_count + inc.summary.posinf_count + inc.summary.neginf_count)
 
@@ -131,7 +140,7 @@ def test_compiled_incident_equals_eager_with_default_options(backend, fullgraph,
     eager, compiled = eager_and_compiled(make, 4, plant, dict(backend=backend, fullgraph=fullgraph),
                                          make_opt=make_opt, loss_fn=loss_fn)
     assert eager is not None and compiled is not None
-    assert incident_tuple(compiled) == incident_tuple(eager)
+    assert like_eager(incident_tuple(compiled), incident_tuple(eager))
     assert compiled.inputs == eager.inputs
 
 
@@ -480,7 +489,7 @@ def test_gradient_accumulation_keeps_every_micro_step_of_a_compiled_model(fault)
 
     eager = _accumulating_run(False, plant)
     compiled = _accumulating_run(True, plant)
-    assert compiled[:1] == eager[:1]
+    assert like_eager(compiled[0], eager[0])
     expected = (1, "backward", "sq", "grad", True) if fault == "backward" else (1, "forward", "inp", "activation", False)
     assert eager[0] == expected
 
@@ -568,7 +577,8 @@ def test_async_mode_decodes_compiled_sub_windows_a_step_later_like_eager():
 
     eager = _accumulating_run(False, plant, mode="async")
     compiled = _accumulating_run(True, plant, mode="async")
-    assert compiled[:1] == eager[:1] == [(1, "backward", "sq", "grad", True)]
+    assert eager[0] == (1, "backward", "sq", "grad", True)
+    assert like_eager(compiled[0], eager[0])
 
 
 class CalledTwiceAcrossABreak(CalledTwice):

@@ -616,27 +616,34 @@ class TracedRows:
             slots.append(slot)
             records.append(v[:RECORD_SIZE])
         ran = self._traces_that_ran(index_of_row)
-        self._name_inputs_of_overwritten_outputs(slots, offset, index_of_row, ran)
+        self._name_inputs_of_overwritten_outputs(slots, records, offset, index_of_row, ran)
         if self.grad_hooks:
             self._link_grads(slots, offset, index_of_row, ran)
         return slots, records, weight_inputs
 
-    def _name_inputs_of_overwritten_outputs(self, slots: list, offset: int, index_of_row: dict, ran: set) -> None:
-        """An input row that took a module's output (noted at trace time) whose own row was written
-        again later (the module called twice): the input row is the one record left of that earlier
-        output. It is not a value of the parent's body -- it is named after the module that made
-        it, with ``produced=None`` (what that call received was overwritten too).
+    def _name_inputs_of_overwritten_outputs(self, slots: list, records: list, offset: int, index_of_row: dict,
+                                            ran: set) -> None:
+        """A non-finite input row that took a module's output (noted at trace time) whose own row
+        was written again (the module called twice): the input row may be the one record left of
+        an earlier output. It is not a value of the parent's body -- it is named after the module
+        that made it, with ``produced=None`` (what that call received was overwritten too).
 
-        In a window with an overwritten output, an input row that no trace that ran explains (it
-        came from another graph, across a graph break, or its graph's notes are unknown) may hold
-        that lost output: it is kept stale, never called a value of the parent's body."""
+        In a window with an overwritten output, a non-finite input row that no trace that ran
+        explains (it came from another graph, across a graph break, or its graph's notes are
+        unknown) may hold that lost output: it is kept stale, never called a value of the parent's
+        body. (Only non-finite rows: a finite one is still the value its consumer took.)"""
         overwritten_outputs = any(self.rows[r].is_output and self.rows[r].phase == "forward"
                                   and slots[i - offset].stale for r, i in index_of_row.items())
+        if not overwritten_outputs:
+            return
         for row, index in index_of_row.items():
+            v = records[index - offset]
+            if not v[0] + v[1] + v[2] > 0:
+                continue
             notes = _EXPLAINED.get((id(self), row))
             made = set().union(*(rows for trace, rows in notes.items() if trace in ran)) if notes else set()
             if not made:
-                if overwritten_outputs and slots[index - offset].derived:
+                if slots[index - offset].derived:
                     slots[index - offset].stale = True
                 continue
             overwritten = [r for r in made if r in index_of_row and slots[index_of_row[r] - offset].stale]
