@@ -306,7 +306,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _ROWS[ctx.owner].write_grad(ctx.row, grad)
+        _ROWS[ctx.owner]._write_rows(ctx.row, [grad])
         return grad, None, None
 
 
@@ -331,11 +331,10 @@ class TracedRows:
         self.forwards = 0  # training forwards of the root in this read window (see begin_forward)
         base = {}  # module name -> its first row (also kept on its ModuleInfo: row_base)
         self.rows: list = []
-        by_name = {info.name: info for info in infos}
+        by_name = self.infos = {info.name: info for info in infos}
         _mark_leaves(infos, compiled_grads=monitor.compiled_grads)
         # Gradients inside graphs: a tensor hook per recorded output (GRAD_HOOKS), unless taps.
         self.grad_hooks = GRAD_HOOKS and monitor.compiled_grad_hooks
-        self.infos = {info.name: info for info in infos}
         for info in infos:
             base[info.name] = info.row_base = len(self.rows)
             parent = None if info.is_root else by_name.get(info.name.rpartition(".")[0] or "(model)")
@@ -389,16 +388,9 @@ class TracedRows:
         row = info.row_base + INPUTS + OUTPUTS + INPUTS + k
 
         def record_grad(grad):
-            self.write_grad(row, grad, label)
+            self._write_rows(row, [grad], label)
 
         return record_grad
-
-    def write_grad(self, row: int, grad, label: str = "") -> None:
-        """A gradient's record into ``row``, inside a compiled backward."""
-        record = None if self.default_kernels and grad.device == self.buffer.device else self.record_one(grad)
-        torch.ops.nanscan.stamp([grad], record, id(self), row, label)
-        if type(grad.numel()) is not int:
-            self.write_shape(row, grad)
 
     @property
     def used(self) -> bool:
