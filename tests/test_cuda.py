@@ -352,3 +352,21 @@ def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
     else:  # (a parameter gradient, "cannot tell")
         step, phase, _, kind, produced = compiled[3]
         assert (step, phase, kind, produced) == (3, "backward", "grad", None)
+
+
+@CUDA_KERNEL
+def test_stamp_summarizes_a_value_on_another_device_where_it_lives():
+    # Model parallelism: a module output on the CPU while the compiled path's buffer is on the GPU.
+    from nanscan import _C
+
+    buffer = torch.zeros(3, 12, dtype=torch.float64, device="cuda")
+    counter = torch.zeros(1, dtype=torch.float64, device="cuda")
+    on_cpu, on_gpu = torch.tensor([1.0, float("nan"), -2.0]), torch.tensor([float("inf"), 0.0], device="cuda")
+    _C.set_stamp_target(4343, buffer, counter)
+    try:
+        torch.ops.nanscan.stamp([on_cpu, on_gpu], None, 4343, 1, "")
+    finally:
+        _C.set_stamp_target(4343, None, None)
+    assert_record_matches(buffer[1, :8].cpu(), reference.summarize(on_cpu), on_cpu)
+    assert_record_matches(buffer[2, :8].cpu(), reference.summarize(on_gpu.cpu()), on_gpu.cpu())
+    assert buffer[1:, 8].tolist() == [1.0, 2.0] and buffer[0].abs().sum().item() == 0.0

@@ -35,7 +35,8 @@
 //
 //   stamp(values, records, owner, first_row, labels)
 //     = stamp_rows_(buffer[owner], counter[owner], values, records, first_row, owner, labels)
-//   (nothing when no buffer is named for owner: its monitor was closed)
+//   (nothing when no buffer is named for owner: its monitor was closed; values on another device
+//   than the buffer are summarized on theirs and their records copied to the buffer's)
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -43,6 +44,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace nanscan {
 
@@ -108,6 +110,20 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
   c10::optional<at::Tensor> given;
   if (records.has_value() && records->defined()) {
     given = records->reshape({static_cast<int64_t>(values.size()), -1}).to(buffer.device());
+  } else {
+    // A value on another device than the buffer (model parallelism): summarized where it lives,
+    // its record copied over -- here rather than in the traced hook, whose every line dynamo traces.
+    bool elsewhere = false;
+    for (const at::Tensor& v : values) elsewhere = elsewhere || v.device() != buffer.device();
+    if (elsewhere) {
+      static auto one = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("nanscan::summarize", "")
+                            .typed<at::Tensor(const at::Tensor&)>();
+      std::vector<at::Tensor> rows;
+      rows.reserve(values.size());
+      for (const at::Tensor& v : values) rows.push_back(one.call(v).to(buffer.device()).reshape({1, -1}));
+      given = at::cat(rows);
+    }
   }
   stamp_rows_(buffer, counter, values, given, first_row, owner, labels);
 }

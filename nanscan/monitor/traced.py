@@ -386,9 +386,15 @@ class TracedRows:
         (row label ``label``; "" for the row's own name) -- registered by the traced hooks on the
         output, traced by dynamo into the graph (``GRAD_HOOKS``), run in its backward."""
         row = info.row_base + INPUTS + OUTPUTS + INPUTS + k
+        stamp, owner = torch.ops.nanscan.stamp, id(self)
 
         def record_grad(grad):
-            self._write_rows(row, [grad], label)
+            # (The common case in as few lines as the hooks' fast path: dynamo traces this body
+            # for every hooked output.)
+            if self.default_kernels and type(grad.numel()) is int:
+                stamp([grad], None, owner, row, label)
+            else:
+                self._write_rows(row, [grad], label)
 
         return record_grad
 
@@ -422,22 +428,26 @@ class TracedRows:
         (dynamic) shapes are written at run time."""
         if not values:
             return
-        # (Loops, not generator expressions: dynamo traces every line here at every module call.)
-        device, one_device = self.buffer.device, True
-        for t in values:
-            if t.device != device:
-                one_device = False
-        records = None  # summarized inside the op, by the default kernels
-        if not one_device:  # a value on another device (model parallel): summarized where it lives
-            records = torch.stack([self.record_one(t).to(device) for t in values])
-        elif not self.default_kernels:
-            records = self.record_many(values)
-        if records is not None and records.requires_grad:  # (a backend without the autograd fall-through)
-            records = records.detach()
+        # (The default kernels summarize inside the op, values on another device than the buffer
+        # included: dynamo traces every line here at every module call.)
+        records = None if self.default_kernels else self._records_of(values)
         torch.ops.nanscan.stamp(values, records, id(self), first_row, labels)
         for k, t in enumerate(values):
             if type(t.numel()) is not int:  # a symbolic shape: written at run time (static ones are noted)
                 self.write_shape(first_row + k, t)
+
+    def _records_of(self, values: list) -> torch.Tensor:
+        """Records of ``values`` by another backend than the default kernels, on the buffer's device
+        (a value on another device -- model parallelism -- is summarized where it lives)."""
+        device, one_device = self.buffer.device, True
+        for t in values:  # (loops, not generator expressions: fewer traced lines)
+            if t.device != device:
+                one_device = False
+        if one_device:
+            records = self.record_many(values)
+        else:
+            records = torch.stack([self.record_one(t).to(device) for t in values])
+        return records.detach() if records.requires_grad else records  # (a backend without the autograd fall-through)
 
     def write_shape(self, row: int, t) -> None:
         """A symbolic (dynamic) shape into ``row``, as graph ops (a static one is noted at trace time).
