@@ -4,8 +4,10 @@ the backend compiles. Side by side in one run, each from a fresh dynamo cache.
 
     python -m benchmarks.compile_time [--model resnet18] [--backend aot_eager] [--rounds 3]
 
-Three variants, alternated round by round: unwatched, watched (the default options: gradient hooks
-inside the graph) and watched with ``compiled_grads="off"`` (no gradient records in the graph).
+Four variants, alternated round by round: unwatched; the no-op-hook floor (a no-op forward pre- and
+post-hook on every module, as in benchmarks/host_cost.py: what dynamo pays to trace ``Module._call_impl``'s
+hook path at every module call, whatever the hooks do); watched (the default options: gradient hooks
+inside the graph); and watched with ``compiled_grads="off"`` (no gradient records in the graph).
 """
 import argparse
 import time
@@ -15,7 +17,12 @@ import torch
 import nanscan
 
 
-def first_step_seconds(model_name: str, backend: str, watch: bool, **watch_options) -> float:
+def _noop(*args, **kwargs):
+    return None
+
+
+def first_step_seconds(model_name: str, backend: str, watch: bool, noop_hooks: bool = False,
+                       **watch_options) -> float:
     import timm
 
     # Inductor keeps compiled graphs on disk across processes: a second run (or the unwatched graph,
@@ -27,6 +34,10 @@ def first_step_seconds(model_name: str, backend: str, watch: bool, **watch_optio
     model = timm.create_model(model_name, pretrained=False, num_classes=10, **kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = nanscan.watch(model, opt, **watch_options) if watch else None
+    if noop_hooks:
+        for m in model.modules():
+            m.register_forward_pre_hook(_noop, with_kwargs=True)
+            m.register_forward_hook(_noop, with_kwargs=True)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 3, 64, 64)
     start = time.perf_counter()
@@ -46,14 +57,16 @@ def main(argv=None) -> int:
     # Warm up: the first compile in a process also pays for imports and dynamo's own set-up.
     warm = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
     torch.compile(warm, backend=args.backend)(torch.randn(1, 3, 8, 8)).sum().backward()
-    bare, watched, no_grads = [], [], []
+    bare, floor, watched, no_grads = [], [], [], []
     for _ in range(args.rounds):
         bare.append(first_step_seconds(args.model, args.backend, watch=False))
+        floor.append(first_step_seconds(args.model, args.backend, watch=False, noop_hooks=True))
         watched.append(first_step_seconds(args.model, args.backend, watch=True))
         no_grads.append(first_step_seconds(args.model, args.backend, watch=True, compiled_grads="off"))
-    print(f"{args.model} ({args.backend}): unwatched {min(bare):.1f} s, watched {min(watched):.1f} s "
-          f"(ratio {min(watched) / min(bare):.2f}), watched with compiled_grads='off' {min(no_grads):.1f} s "
-          f"(ratio {min(no_grads) / min(bare):.2f})")
+    base = min(bare)
+    print(f"{args.model} ({args.backend}): unwatched {base:.1f} s; no-op hooks (floor) {min(floor):.1f} s "
+          f"(ratio {min(floor) / base:.2f}); watched {min(watched):.1f} s (ratio {min(watched) / base:.2f}); "
+          f"watched with compiled_grads='off' {min(no_grads):.1f} s (ratio {min(no_grads) / base:.2f})")
     return 0
 
 

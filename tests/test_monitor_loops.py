@@ -570,7 +570,7 @@ def test_bad_optimizer_or_a_failed_install_leaves_no_hook_on_the_model(monkeypat
 
 def test_parameters_without_a_gradient_are_skipped_and_the_rest_named():
     """A branch unused in a step leaves its parameters' .grad None: the read takes the others (the
-    C++ param_grads path with some missing) and still names the faulty gradient."""
+    C++ TensorSet path with some missing) and still names the faulty gradient."""
 
     class TwoHeads(nn.Module):
         def __init__(self):

@@ -150,3 +150,37 @@ def test_stamp_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_drop
     assert buffer[[1, 3]].abs().sum().item() == 0.0
     torch.ops.nanscan.stamp([grad], None, 4242, 1, "")  # dropped: nothing is written
     assert buffer[1].abs().sum().item() == 0.0 and counter.item() == 7.0
+
+
+def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
+    # The monitor's per-step parameter checks: one C++ call for the records of the held parameters,
+    # one for those of their gradients (which exist, and where).
+    from nanscan import _C
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.tensor([1.0, float("inf")])),
+              torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    held = _C.TensorSet(params)
+    assert len(held) == 3
+    expected = torch.ops.nanscan.summarize_many([p.detach() for p in params])
+    torch.testing.assert_close(held.records(), expected, rtol=0, atol=0, equal_nan=True)
+    assert held.grad_records()[0] is None  # no gradient yet
+    params[1].grad = torch.tensor([float("nan"), 2.0])
+    records, present = held.grad_records()
+    assert present == [1]
+    torch.testing.assert_close(records, torch.ops.nanscan.summarize_many([params[1].grad]), rtol=0, atol=0,
+                               equal_nan=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    records, present = held.grad_records()
+    assert present is None and records.shape == (3, 8)
+    with torch.no_grad():
+        params[0].data = torch.full((5,), float("nan"))  # (module.to: the same tensor, new data)
+    assert held.records()[0, 0].item() == 5.0  # five NaNs
+    calls = []  # another backend's summarize_many, a Python callable
+
+    def other(xs):
+        calls.append(len(xs))
+        return torch.ops.nanscan.summarize_many(xs)
+
+    torch.testing.assert_close(_C.TensorSet(params, other).records(), held.records(), rtol=0, atol=0, equal_nan=True)
+    assert calls == [3]

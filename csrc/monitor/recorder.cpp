@@ -28,6 +28,10 @@
 //       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
+//   TensorSet(tensors, summarize=None)  tensors held for the per-step checks (the parameters)
+//     records() -> [n, RECORD_SIZE]; grad_records() -> (records of the grads that exist or None,
+//       None if all exist else their indices); summarize: a Python callable list -> records (None:
+//       the nanscan::summarize_many op)
 //   param_grads(params) -> (grads that exist, None if all do else their indices)
 //   nonfinite_rows(host_records, n) -> the rows < n with a NaN / +Inf / -Inf count
 //   dtype_maxima(tensors) -> float64 tensor: each tensor's dtype's largest finite value
@@ -655,6 +659,48 @@ py::tuple fast_hooks(const std::shared_ptr<Hooks>& hooks) {
   return py::make_tuple(make(&kPreDef), make(&kPostDef));
 }
 
+// The parameters the monitor checks every step, held in C++: their records after the update and
+// their gradients' records are one call each, with no Python list of hundreds of tensors to convert
+// (an nn.Parameter argument also costs a __torch_function__ check) and no Python object made per
+// gradient. The held tensors are the parameters themselves: `param.data = ...` (module.to) changes
+// what they hold, not which tensors they are.
+class TensorSet {
+ public:
+  TensorSet(std::vector<at::Tensor> tensors, py::object summarize)
+      : tensors_(std::move(tensors)), summarize_(summarize.is_none() ? py::object() : std::move(summarize)) {}
+
+  // [n, RECORD_SIZE] records of the tensors, by the default kernels' summarize_many or `summarize`.
+  at::Tensor records() const {
+    TORCH_CHECK(!tensors_.empty(), "nanscan: TensorSet.records of no tensors");
+    return summarize_many_with(summarize_, tensors_);
+  }
+
+  // (records of the gradients that exist or None if none does; None if every tensor has one, else
+  // the indices of those that do).
+  py::tuple grad_records() const {
+    std::vector<at::Tensor> grads;
+    std::vector<int64_t> present;
+    grads.reserve(tensors_.size());
+    for (size_t k = 0; k < tensors_.size(); ++k) {
+      const at::Tensor& g = tensors_[k].grad();
+      if (g.defined()) {
+        grads.push_back(g);
+        present.push_back(static_cast<int64_t>(k));
+      }
+    }
+    if (grads.empty()) return py::make_tuple(py::none(), py::list());
+    const bool all = grads.size() == tensors_.size();
+    return py::make_tuple(summarize_many_with(summarize_, grads),
+                          all ? py::object(py::none()) : py::object(py::cast(present)));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(tensors_.size()); }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  py::object summarize_;
+};
+
 // The parameters' gradients for the read, without a Python attribute access per parameter:
 // (grads of the parameters that have one, in order; None when all have one, else their indices).
 py::tuple param_grads(const std::vector<at::Tensor>& params) {
@@ -744,6 +790,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stamp_target", &set_stamp_target, py::arg("owner"), py::arg("buffer"), py::arg("counter"),
         "name the buffer and counter nanscan::stamp writes for owner (None: drop it)");
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
+  py::class_<TensorSet, std::shared_ptr<TensorSet>>(m, "TensorSet")
+      .def(py::init<std::vector<at::Tensor>, py::object>(), py::arg("tensors"), py::arg("summarize") = py::none())
+      .def("records", &TensorSet::records, "[n, RECORD_SIZE] records of the held tensors")
+      .def("grad_records", &TensorSet::grad_records,
+           "(records of the gradients that exist or None, None if all exist else their indices)")
+      .def("__len__", &TensorSet::size);
   m.def("param_grads", &param_grads, "(grads that exist, None or the indices of their parameters)");
   m.def("nonfinite_rows", &nonfinite_rows, "rows < n of host records with a NaN / Inf count");
   m.def("headroom_candidates", &headroom_candidates, "rows < n within `bits` of their dtype's (or cast's) max");

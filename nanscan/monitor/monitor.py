@@ -97,11 +97,11 @@ class Monitor:
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
-        self._collect_tensors()
         extension = self._extension = _ops.monitor_extension()
         if extension is None:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
+        self._collect_tensors()
         # Per read window: the records (production order); eval forwards have their own.
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
@@ -173,6 +173,14 @@ class Monitor:
         # summarized shard-locally (distributed.local_shards). Decided once: plain models pay nothing.
         self._sharded = distributed.has_dtensors(self._param_tensors)
         self._param_owners = [self._info_of.get(n.rpartition(".")[0] or ROOT) for n in self._param_names]
+        # Plain (unsharded) parameters are held in C++ for the per-step checks: one call each for
+        # their records and their gradients' records (no Python list to convert, no Python object
+        # per gradient). The kernels are those of the parameters' device now; a move collects again.
+        self._param_set = None
+        if self._param_tensors and not self._sharded:
+            summarize = self._kernels_for(self._first_param.device)[1]
+            default = summarize is torch.ops.nanscan.summarize_many.default
+            self._param_set = self._extension.TensorSet(self._param_tensors, None if default else summarize)
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if self.buffers else []
 
@@ -341,8 +349,12 @@ class Monitor:
                     return None  # no gradient was read for it in this step
                 return (f"{names[k]} (grad)",) if names[k] in grads_read[1] else ()
 
-            params = distributed.local_shards(self._param_tensors) if self._sharded else self._param_tensors
-            rows = self._summarize_many(params)
+            params = self._param_tensors
+            if self._param_set is not None:
+                rows = self._param_set.records()
+            else:  # (sharded: each rank's local shards)
+                params = distributed.local_shards(params)
+                rows = self._summarize_many(params)
             self.slots.add_block(rows, Block(step, "update", "param", self._param_names, params,
                                              self._param_owners, input_bad=input_bad), len(params))
         self._record_buffers(step)
@@ -528,15 +540,23 @@ class Monitor:
         accumulated, and unscaled if ``scaler.unscale_`` ran), or None. A gradient's inputs: the
         gradients of its module's outputs and the module's forward inputs in this window (``rows``:
         the window's hook records, or None)."""
-        grads, present = self._extension.param_grads(self._param_tensors)  # (C++: no Python per parameter)
         names, owners = self._param_names, self._param_owners
+        if self._param_set is not None:  # (C++: no Python per parameter)
+            records, present = self._param_set.grad_records()
+            grads = self._param_tensors  # (a gradient's dtype and shape are its parameter's)
+        else:  # sharded: each rank's local shards
+            records = None
+            grads, present = self._extension.param_grads(self._param_tensors)
         if present is not None:
             if not present:
                 return None
             names = [names[k] for k in present]
             owners = [owners[k] for k in present]
-        if self._sharded:
+            if self._param_set is not None:
+                grads = [grads[k] for k in present]
+        if records is None:
             grads = distributed.local_shards(grads)
+            records = self._summarize_many(grads)
 
         def inputs(k):  # (asked only when a gradient is decoded as non-finite)
             owner = owners[k]
@@ -544,7 +564,7 @@ class Monitor:
 
         # Without the gradients of module outputs, the gradient a weight received is unknown:
         # no inputs, so "produced" is None rather than judged from the forward inputs alone.
-        return self._summarize_many(grads), Block(self.step_index, "backward", "grad", names, grads, owners,
+        return records, Block(self.step_index, "backward", "grad", names, grads, owners,
                                                   inputs=inputs if self.activation_grads else None, param=True)
 
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
