@@ -354,8 +354,45 @@ struct WorkItem {
   int64_t tensor, begin, end;
 };
 
+// One input's record from its chunks, scanned and merged in order: the FP32 sum of squares of an
+// FP32 input is the FP32 sum of the chunks' FP32 sums, as in the threaded path below.
+template <typename Scan>
+void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* out) {
+  Partial<double> total;
+  const bool fp32_sum = sums_in_fp32(input.scalar_type());
+  float sumsq32 = 0.0f;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const Partial<double>& part = scan(c);
+    total.merge(part);
+    sumsq32 += static_cast<float>(part.sumsq);
+  }
+  if (fp32_sum) total.sumsq = sumsq32;
+  total.write(out);
+}
+
 // Writes one record per input into rows of `out` ([n, 8] float64, contiguous).
 void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
+  int64_t total = 0;
+  for (const at::Tensor& x : inputs) total += x.numel();
+  // Threads only past 4 chunks of elements (256K): many small tensors (a model's parameters and
+  // gradients, summarized by the monitor every step) are a few microseconds of work, less than
+  // waking the pool -- and on a busy machine a descheduled pool thread makes the whole call wait.
+  // Then each tensor is scanned and written in turn, with no work list: the same chunks merged in
+  // the same order as the threaded path, so the result does not depend on the path.
+  if (total <= 4 * kChunk) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      const at::Tensor& t = inputs[k];
+      const Geometry g(t);
+      const int64_t n = t.numel();
+      Partial<double> part;
+      merge_chunks(t, (n + kChunk - 1) / kChunk, [&](int64_t c) -> const Partial<double>& {
+        part = Partial<double>();
+        scan_any(t, g, c * kChunk, std::min(n, (c + 1) * kChunk), part);
+        return part;
+      }, out + k * kRecordSize);
+    }
+    return;
+  }
   std::vector<Geometry> geometry;
   std::vector<WorkItem> work;
   std::vector<int64_t> first_item(inputs.size() + 1, 0);
@@ -369,15 +406,8 @@ void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
   first_item[inputs.size()] = static_cast<int64_t>(work.size());
 
   std::vector<Partial<double>> partials(work.size());
-  // Threads only past 4 chunks of elements (256K): many small tensors (a
-  // model's parameters and gradients, summarized by the monitor every step) are a few microseconds
-  // of work, less than waking the pool -- and on a busy machine a descheduled pool thread makes
-  // the whole call wait. (The result does not depend on it: partials merge in a fixed order.)
-  int64_t total = 0;
-  for (const at::Tensor& x : inputs) total += x.numel();
   const int64_t n_items = static_cast<int64_t>(work.size());
-  const int64_t grain = total <= 4 * kChunk ? n_items + 1 : 1;
-  at::parallel_for(0, n_items, grain, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const WorkItem& item = work[w];
       scan_any(inputs[item.tensor], geometry[item.tensor], item.begin, item.end, partials[w]);
@@ -385,16 +415,9 @@ void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
   });
 
   for (size_t k = 0; k < inputs.size(); ++k) {
-    Partial<double> total;
-    // FP32 inputs: the per-chunk sums are FP32 values, and they are added in FP32 here too.
-    const bool fp32_sum = sums_in_fp32(inputs[k].scalar_type());
-    float sumsq32 = 0.0f;
-    for (int64_t w = first_item[k]; w < first_item[k + 1]; ++w) {
-      total.merge(partials[w]);
-      sumsq32 += static_cast<float>(partials[w].sumsq);
-    }
-    if (fp32_sum) total.sumsq = sumsq32;
-    total.write(out + k * kRecordSize);
+    const int64_t first = first_item[k];
+    merge_chunks(inputs[k], first_item[k + 1] - first,
+                 [&](int64_t c) -> const Partial<double>& { return partials[first + c]; }, out + k * kRecordSize);
   }
 }
 

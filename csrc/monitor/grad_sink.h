@@ -11,21 +11,76 @@
 //   sink.generation                 hooks of an older generation do nothing
 //   tap(tensor, sink, index)        hook tensor.grad_fn (no-op for a leaf); index: the output's slot
 //   len(sink)                       gradients received since the last take()
-//   sink.take() -> (indices, records, stale, dtypes, shapes)
+//   sink.take() -> (indices, records, meta)
 //       indices: slot index per gradient, in the order autograd produced them; records: list of
-//       [k, RECORD_SIZE] tensors (in order); stale: gradient changed in place before it was
-//       summarized; dtypes: torch.dtype; shapes: tuples.
+//       [k, RECORD_SIZE] tensors (in order); meta: a GradMeta, per gradient k: meta.stale(k) (changed
+//       in place before it was summarized), meta.dtype(k), meta.shape(k), and meta.dtype_maxima()
+//       (float64 tensor: each gradient's dtype's largest finite value). Python objects are made
+//       only for the gradients asked about (a non-finite one), not for the hundreds a step has.
 #pragma once
 
 #include <torch/extension.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 namespace nanscan {
+
+// The largest finite value of a floating dtype (of the real part for complex dtypes); NaN if not floating.
+inline double dtype_max(at::ScalarType dtype) {
+  switch (c10::toRealValueType(dtype)) {
+    case at::kDouble: return std::numeric_limits<double>::max();
+    case at::kFloat: return std::numeric_limits<float>::max();
+    case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::max());
+    case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
+    case at::kFloat8_e4m3fn: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
+    case at::kFloat8_e5m2: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
+    case at::kFloat8_e4m3fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fnuz>::max());
+    case at::kFloat8_e5m2fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2fnuz>::max());
+    default: return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+// What a read needs to know of the gradients a GradSink received, kept in C++ until asked.
+struct GradMeta {
+  std::vector<bool> stale;
+  std::vector<at::ScalarType> dtypes;
+  std::vector<c10::SmallVector<int64_t, 5>> shapes;
+
+  int64_t size() const { return static_cast<int64_t>(dtypes.size()); }
+
+  void check(int64_t k) const {
+    TORCH_CHECK(k >= 0 && k < size(), "nanscan: no gradient ", k, " in this read (", size(), ")");
+  }
+
+  bool is_stale(int64_t k) const {
+    check(k);
+    return stale[k];
+  }
+
+  py::object dtype(int64_t k) const {  // torch.dtype objects are static: borrowed
+    check(k);
+    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtypes[k])));
+  }
+
+  py::tuple shape(int64_t k) const {
+    check(k);
+    py::tuple out(shapes[k].size());
+    for (size_t d = 0; d < shapes[k].size(); ++d) out[d] = py::int_(shapes[k][d]);
+    return out;
+  }
+
+  at::Tensor dtype_maxima() const {
+    at::Tensor out = at::empty({size()}, at::kDouble);
+    double* maxima = out.data_ptr<double>();
+    for (int64_t k = 0; k < size(); ++k) maxima[k] = dtype_max(dtypes[k]);
+    return out;
+  }
+};
 
 // The default kernels' summarize_many, or `summarize` (a Python callable) for another backend.
 inline at::Tensor summarize_many_with(const py::object& summarize, const std::vector<at::Tensor>& xs) {
@@ -75,25 +130,18 @@ class GradSink {
   py::tuple take() {
     std::vector<int64_t> index;
     std::vector<at::Tensor> records;
-    std::vector<bool> stale;
-    std::vector<at::ScalarType> dtypes;
-    std::vector<std::vector<int64_t>> shapes;
+    auto meta = std::make_shared<GradMeta>();
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       flush_locked();
       index.swap(index_);
       records.swap(records_);
-      stale.swap(stale_);
-      dtypes.swap(dtypes_);
-      shapes.swap(shapes_);
+      meta->stale.swap(stale_);
+      meta->dtypes.swap(dtypes_);
+      meta->shapes.swap(shapes_);
     }
-    py::list py_dtypes, py_shapes;
-    for (auto d : dtypes) {  // torch.dtype objects are static: borrowed
-      py_dtypes.append(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(d))));
-    }
-    for (auto& s : shapes) py_shapes.append(py::tuple(py::cast(s)));
-    return py::make_tuple(py::cast(index), py::cast(records), py::cast(stale), py_dtypes, py_shapes);
+    return py::make_tuple(py::cast(index), py::cast(records), py::cast(meta));
   }
 
  private:
@@ -103,7 +151,7 @@ class GradSink {
       const auto& g = pending_[k];
       stale_.push_back(pending_version_[k] >= 0 && static_cast<int64_t>(g._version()) != pending_version_[k]);
       dtypes_.push_back(g.scalar_type());
-      shapes_.push_back(g.sizes().vec());
+      shapes_.emplace_back(g.sizes().begin(), g.sizes().end());
     }
     records_.push_back(summarize_many_with(summarize_, pending_));
     index_.insert(index_.end(), pending_index_.begin(), pending_index_.end());
@@ -122,7 +170,7 @@ class GradSink {
   std::vector<at::Tensor> records_;
   std::vector<bool> stale_;
   std::vector<at::ScalarType> dtypes_;
-  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<c10::SmallVector<int64_t, 5>> shapes_;
 };
 
 struct RecordGrad : torch::autograd::FunctionPreHook {

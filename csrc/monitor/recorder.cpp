@@ -75,14 +75,16 @@ struct Row {
   int32_t grad = -1;      // entry of the gradient flowing into it, once read
   int64_t step = 0;
   at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;
+  // (Inline storage for the common sizes: a Row and a Frame are made per module call, and heap
+  // vectors were a malloc each.)
+  c10::SmallVector<int64_t, 5> shape;
   std::string label;  // where in the outputs / inputs: "", "[1]", ".loss", "input[0]" ...
-  std::vector<int32_t> consumers;  // frames that took it as an input
+  c10::SmallVector<int32_t, 2> consumers;  // frames that took it as an input
 };
 
 struct Frame {
   int32_t info;
-  std::vector<int32_t> inputs, outputs;
+  c10::SmallVector<int32_t, 2> inputs, outputs;
 };
 
 struct Known {
@@ -97,7 +99,8 @@ py::object dtype_object(at::ScalarType d) {  // torch.dtype objects are static: 
   return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(d)));
 }
 
-py::tuple int_tuple(const std::vector<int32_t>& xs) {
+template <typename Ints>
+py::tuple int_tuple(const Ints& xs) {
   py::tuple out(xs.size());
   for (size_t i = 0; i < xs.size(); ++i) out[i] = py::int_(xs[i]);
   return out;
@@ -121,7 +124,7 @@ struct Rows {
     std::vector<int32_t> inputs;
     if (r.frame >= 0) {
       const Frame& f = frames[r.frame];
-      inputs = f.inputs;
+      inputs.assign(f.inputs.begin(), f.inputs.end());
       if (r.kind == kLoss) {  // the model's loss: from its inputs and its other outputs
         for (int32_t o : f.outputs) {
           if (o != entry) inputs.push_back(o);
@@ -132,7 +135,7 @@ struct Rows {
     for (int32_t c : r.consumers) consumers.append(c);
     return py::make_tuple(static_cast<int>(r.kind), r.info, r.label, r.step,
                           r.kind == kLoss ? "loss" : phase_name(r.phase), dtype_object(r.dtype),
-                          py::tuple(py::cast(r.shape)), int_tuple(inputs), r.candidate, consumers,
+                          int_tuple(r.shape), int_tuple(inputs), r.candidate, consumers,
                           r.grad < 0 ? py::object(py::none()) : py::object(py::int_(r.grad)), r.stale);
   }
 
@@ -162,19 +165,7 @@ struct Rows {
     return out;
   }
 
-  static double dtype_max(at::ScalarType dtype) {
-    switch (c10::toRealValueType(dtype)) {
-      case at::kDouble: return std::numeric_limits<double>::max();
-      case at::kFloat: return std::numeric_limits<float>::max();
-      case at::kHalf: return static_cast<double>(std::numeric_limits<c10::Half>::max());
-      case at::kBFloat16: return static_cast<double>(std::numeric_limits<c10::BFloat16>::max());
-      case at::kFloat8_e4m3fn: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fn>::max());
-      case at::kFloat8_e5m2: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2>::max());
-      case at::kFloat8_e4m3fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e4m3fnuz>::max());
-      case at::kFloat8_e5m2fnuz: return static_cast<double>(std::numeric_limits<c10::Float8_e5m2fnuz>::max());
-      default: return std::numeric_limits<double>::quiet_NaN();
-    }
-  }
+  static double dtype_max(at::ScalarType dtype) { return nanscan::dtype_max(dtype); }
 
   std::vector<int64_t> loss_entries() const {
     std::vector<int64_t> out;
@@ -366,7 +357,7 @@ class Window {
   bool has_device_ = false;
 };
 
-using Found = std::vector<std::pair<std::string, at::Tensor>>;
+using Found = c10::SmallVector<std::pair<std::string, at::Tensor>, 4>;  // (inline: one per hook call)
 
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
@@ -493,7 +484,7 @@ class Hooks {
         row.phase = phase_;
         row.step = step_;
         row.dtype = t.scalar_type();
-        row.shape = t.sizes().vec();
+        row.shape.assign(t.sizes().begin(), t.sizes().end());
         if (parent != nullptr) {  // made by an op in the parent's own body
           row.kind = kBody;
           row.frame = parent->frame;
@@ -540,7 +531,7 @@ class Hooks {
     gather(output.ptr(), "", found);
     const bool candidate = !(info.is_root && root_late);
     const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
-    std::vector<int32_t> outputs;
+    c10::SmallVector<int32_t, 2> outputs;
     bool made_loss = false;
     for (auto& [label, t] : found) {
       int32_t entry = w.lookup(t);
@@ -556,7 +547,7 @@ class Hooks {
       row.info = static_cast<int32_t>(idx);
       row.frame = top.frame;
       row.dtype = t.scalar_type();
-      row.shape = t.sizes().vec();
+      row.shape.assign(t.sizes().begin(), t.sizes().end());
       if (info.is_root && phase_ == kForward && label == ".loss") {  // HF-style: the model returns its loss
         row.kind = kLoss;
         made_loss = true;
@@ -567,13 +558,16 @@ class Hooks {
       if (tap_grads) tap(t, sink_, entry);
       outputs.push_back(entry);
     }
-    w.rows_.frames[top.frame].outputs = outputs;
+    w.rows_.frames[top.frame].outputs = std::move(outputs);
     w.rows_.last_frame[idx] = top.frame;
     if (made_loss) owner_.attr("model_loss")(output);
     if ((*eager_)[idx]) w.flush();
     if (stack_.empty()) {  // the forward ends: summarize before the loop can edit its tensors in place
       w.flush();
-      if (info.is_root) root_outputs_ = outputs;
+      if (info.is_root) {
+        const auto& out = w.rows_.frames[top.frame].outputs;
+        root_outputs_.assign(out.begin(), out.end());
+      }
       owner_.attr("forward_ends")(idx);
     }
   }
@@ -787,6 +781,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("generation", &GradSink::generation)
       .def("__len__", &GradSink::size)
       .def("take", &GradSink::take);
+  py::class_<GradMeta, std::shared_ptr<GradMeta>>(m, "GradMeta")
+      .def("stale", &GradMeta::is_stale)
+      .def("dtype", &GradMeta::dtype)
+      .def("shape", &GradMeta::shape)
+      .def("dtype_maxima", &GradMeta::dtype_maxima)
+      .def("__len__", &GradMeta::size);
   m.def("set_stamp_target", &set_stamp_target, py::arg("owner"), py::arg("buffer"), py::arg("counter"),
         "name the buffer and counter nanscan::stamp writes for owner (None: drop it)");
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");

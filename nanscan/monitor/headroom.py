@@ -240,9 +240,8 @@ def row_maxima(slots: list, n: int) -> torch.Tensor:
                 maxima[:k] = torch.where(torch.isnan(m[:k]), maxima[:k], m[:k])
             i += 1
         elif t is GradBlock:
-            get = _MAX_OF.get
-            end = s.start + len(s.dtypes)
-            maxima[s.start:end] = torch.tensor([get(d) or _max_of(d) for d in s.dtypes], dtype=torch.float64)
+            end = s.start + len(s.meta)
+            maxima[s.start:end] = s.meta.dtype_maxima()
             i = max(end, i + 1)
         elif isinstance(s, Block):
             end = s.start + len(s.tensors)

@@ -573,9 +573,9 @@ class Monitor:
         slots, rows, eager_rows = self.slots.take()
         blocks = [rows] if rows is not None else []
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
-            indices, records, stale, dtypes, shapes = self.grad_sink.take()
+            indices, records, meta = self.grad_sink.take()
             if indices:
-                block = GradBlock(self.step_index, slots, indices, stale, dtypes, shapes)
+                block = GradBlock(self.step_index, slots, indices, meta)
                 block.start = len(slots)
                 if eager_rows is not None:
                     eager_rows.rows.set_grads(indices, block.start)

@@ -89,18 +89,20 @@ class Block:
 class GradBlock(Block):
     """Gradients flowing into module outputs, received by the C++ backward tap
     (``csrc/monitor/grad_sink.h``) and summarized there in batches: ``indices[k]`` is the slot
-    (in ``window``) of the output whose gradient row k is."""
+    (in ``window``) of the output whose gradient row k is; ``meta`` (a ``nanscan._C.GradMeta``) holds
+    each row's dtype, shape and staleness in C++, asked only for a row that is looked at."""
 
-    def __init__(self, step, window, indices, stale, dtypes, shapes):
+    def __init__(self, step, window, indices, meta):
         super().__init__(step, "backward", "grad", None, None, None)
-        self.window, self.indices, self.stale_rows, self.dtypes, self.shapes = window, indices, stale, dtypes, shapes
+        self.window, self.indices, self.meta = window, indices, meta
 
     def slot(self, index: int) -> Slot:
         k = index - self.start
         forward = at(self.window, self.indices[k])
-        slot = Slot(self.step, "backward", "grad", f"{forward.name} (output grad)", self.dtypes[k], self.shapes[k],
+        meta = self.meta
+        slot = Slot(self.step, "backward", "grad", f"{forward.name} (output grad)", meta.dtype(k), meta.shape(k),
                     (), True, forward.owner)
-        slot.grad_of, slot.stale = self.indices[k], self.stale_rows[k]
+        slot.grad_of, slot.stale = self.indices[k], meta.stale(k)
         return slot
 
 
