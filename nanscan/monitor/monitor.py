@@ -102,23 +102,24 @@ class Monitor:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
         self._collect_tensors()
+        # The hooks' records are summarized in batches by C++: with the default kernels through the
+        # op directly (no Python per batch), else by this monitor's _summarize_many. (A sharded
+        # model's values may be DTensors: summarized as local shards, in Python.)
+        many = self._kernels_for(self._model_device())[1]
+        summarize = None if many is torch.ops.nanscan.summarize_many.default and not self._sharded \
+            else self._summarize_many
         # Per read window: the records (production order); eval forwards have their own.
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
         def window():
-            return extension.Window(marker, lambda rows: EagerRows(rows, infos), self._summarize_many, None,
+            return extension.Window(marker, lambda rows: EagerRows(rows, infos), summarize, None,
                                     len(infos), BATCH, BATCH_BYTES)
 
         self.slots, self.eval_slots = window(), window()
         self.slots_generation = 0
-        # The gradients of module outputs: a C++ tap on the autograd node of each recorded output.
-        # With the default kernels it summarizes without Python (no Python in the backward).
-        self.grad_sink = None
-        if self.activation_grads:
-            many = self._kernels_for(self._model_device())[1]
-            default = many is torch.ops.nanscan.summarize_many.default and not self._sharded
-            # (A sharded model's output gradients may be DTensors: summarized as local shards, in Python.)
-            self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES, None if default else self._summarize_many)
+        # The gradients of module outputs: a C++ tap on the autograd node of each recorded output
+        # (no Python in the backward with the default kernels).
+        self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES, summarize) if self.activation_grads else None
         self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
         self.traced = TracedRows(self, infos, self._kernels_for)
         # Step state.
