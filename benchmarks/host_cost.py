@@ -21,7 +21,7 @@ median over rounds of its step time minus the unwatched step time of the same ro
 root: every module that gets hooks). Target (issue 9): watched <= 2x the floor per module
 (forward + backward + read) and watched / unwatched <= 1.3; unchecked steps stay at the floor.
 
-    python -m benchmarks.host_cost [--steps N] [--rounds R] [--explicit-step] [--device cpu|cuda]
+    python -m benchmarks.host_cost [--steps N] [--rounds R] [--explicit-step] [--device cpu|cuda] [--only TEXT]
 
 ``--explicit-step`` wraps each watched step in ``with mon.step():`` (the old API); without it the
 loop is plain and the monitor must delimit steps by itself.
@@ -92,7 +92,7 @@ def _variants():
 
 
 def measure(steps: int = 20, rounds: int = 15, warmup: int = 3, explicit_step: bool = False,
-            device: str = "cpu") -> dict:
+            device: str = "cpu", only: tuple = ()) -> dict:
     """Median seconds per step of each variant, the median over rounds of its extra seconds per
     step over the unwatched step of the same round, the module count and the last mon.step_index.
 
@@ -103,6 +103,9 @@ def measure(steps: int = 20, rounds: int = 15, warmup: int = 3, explicit_step: b
     their tensors landed in memory, as much as the hooks cost."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     variants = _variants()
+    if only:  # (the unwatched step and the floor are always measured: every number is relative to them)
+        variants = {name: setup for name, setup in variants.items()
+                    if name in ("unwatched", "no-op hooks (floor)") or any(o in name for o in only)}
     shared = make_host_bound(device=device)
     models = {name: shared for name in variants}
     times = {name: [] for name in variants}
@@ -163,9 +166,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--explicit-step", action="store_true", help="wrap watched steps in `with mon.step():`")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="measure only the variants whose name contains TEXT (repeatable; with the "
+                             "unwatched step and the floor)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.steps, args.rounds, explicit_step=args.explicit_step, device=args.device)
+    result = measure(args.steps, args.rounds, explicit_step=args.explicit_step, device=args.device,
+                     only=tuple(args.only))
     print(f"host cost: 200x Linear(8,8), batch 1, 1 thread, {args.device}, torch {torch.__version__}, "
           f"{args.rounds} rounds x {args.steps} steps, "
           f"{'with mon.step()' if args.explicit_step else 'plain loop (no mon.step())'}")

@@ -21,9 +21,10 @@
 //     add(tensor, slot) -> entry      a Python Slot record (loss, optimizer state)
 //     add_block(records, block, n)    n rows summarized already (parameters, buffers)
 //     flush(), len(window), window.generation
-//     take() -> (entries, records or None, rows or None): entries in production order (Python
-//       Slot / Block objects; C++ rows appear as make_rows(rows)), their [n, RECORD_SIZE]
-//       records, and the Rows of the window
+//     take() -> (entries, records, rows or None): entries in production order (Python
+//       Slot / Block objects; C++ rows appear as make_rows(rows)), their records as a list of
+//       [k, RECORD_SIZE] blocks in order (a read stacks them once, with its other records), and
+//       the Rows of the window
 //   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
 //       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
@@ -287,15 +288,10 @@ class Window {
         }
       }
     }
-    py::object records = py::none();
-    if (!blocks_.empty()) {
-      auto device = blocks_[0].device();
-      for (auto& b : blocks_) {
-        if (b.device() != device) b = b.to(device, /*non_blocking=*/true);
-      }
-      records = py::cast(blocks_.size() > 1 ? at::cat(blocks_) : blocks_[0]);
-      blocks_.clear();
-    }
+    // The blocks as they are: the read stacks them with its other records in one cat (Copy.start).
+    py::list records;
+    for (auto& b : blocks_) records.append(py::cast(std::move(b)));
+    blocks_.clear();
     return py::make_tuple(entries, records, proxy);
   }
 

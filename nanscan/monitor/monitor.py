@@ -571,8 +571,7 @@ class Monitor:
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
         self._read_this_step = True
-        slots, rows, eager_rows = self.slots.take()
-        blocks = [rows] if rows is not None else []
+        slots, blocks, eager_rows = self.slots.take()  # (blocks: a list of [k, RECORD_SIZE] records)
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
             indices, records, meta = self.grad_sink.take()
             if indices:
@@ -625,11 +624,11 @@ class Monitor:
             raise error
 
     def _read_eval(self) -> None:
-        slots, rows, _ = self.eval_slots.take()
+        slots, blocks, _ = self.eval_slots.take()
         self.hooks.reset("eval")
-        if rows is None:
+        if not blocks:
             return
-        copy = Copy.start([rows], slots, [], None, handled=False, step=self.step_index, non_blocking=False)
+        copy = Copy.start(blocks, slots, [], None, handled=False, step=self.step_index, non_blocking=False)
         self._decode(copy, raise_incident=self.eval_forwards == "raise")
 
     def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:
