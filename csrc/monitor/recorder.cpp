@@ -49,10 +49,11 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <c10/util/flat_hash_map.h>
+
 #include <algorithm>
 #include <limits>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -316,9 +317,14 @@ class Window {
   }
 
   void remember(const at::Tensor& t, int32_t entry) {
-    known_.insert_or_assign(t.unsafeGetTensorImpl(),
-                            Known{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                                  t.is_inference() ? -1 : static_cast<int64_t>(t._version()), entry});
+    Known known{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
+                t.is_inference() ? -1 : static_cast<int64_t>(t._version()), entry};
+    auto found = known_.find(t.unsafeGetTensorImpl());
+    if (found != known_.end()) {
+      found->second = std::move(known);
+    } else {
+      known_.emplace(t.unsafeGetTensorImpl(), std::move(known));
+    }
   }
 
  private:
@@ -345,7 +351,8 @@ class Window {
   py::object marker_, make_rows_, summarize_, on_stale_;
   int64_t n_infos_, batch_, batch_bytes_;
   py::list entries_;
-  std::unordered_map<c10::TensorImpl*, Known> known_;
+  // (Open addressing: no node allocated per recorded tensor; clear() keeps the slots for the next window.)
+  ska::flat_hash_map<c10::TensorImpl*, Known> known_;
   std::vector<at::Tensor> queued_, blocks_;
   std::vector<int64_t> versions_;
   int64_t bytes_ = 0;
