@@ -620,3 +620,43 @@ def test_a_model_moved_after_watch_is_checked_in_its_new_tensors(overwrite_param
     inc = err.value.incident
     assert (inc.step, inc.name, inc.kind) == (2, "1.running_var", "buffer")
     assert inc.summary.dtype == torch.float64
+
+
+def test_a_gradient_changed_in_place_after_it_was_received_says_cannot_tell():
+    """The C++ tap queues the gradient flowing into a module output and summarizes it later, in a
+    batch. A backward that changes that gradient in place meanwhile (here: the next node's custom
+    backward poisons the gradient it received) leaves a record of the later value: the row is
+    stale, never read as what ``out``'s backward made. Without the staleness check the incident
+    named ``out``, produced -- a wrong place; now it is ``poison``, where the NaN came from, with
+    "cannot tell" for produced (what flowed into it is unknown)."""
+
+    class PoisonGradInPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad.mul_(float("nan"))  # changes the gradient it received, in place
+
+    class Poison(nn.Module):
+        def forward(self, x):
+            return PoisonGradInPlace.apply(x)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.poison, self.out = nn.Linear(4, 4), Poison(), nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.poison(self.inp(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    inc = mon.incidents[0]
+    assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "backward", "grad", "poison", None)

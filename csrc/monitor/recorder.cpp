@@ -167,7 +167,6 @@ struct Rows {
     return out;
   }
 
-  static double dtype_max(at::ScalarType dtype) { return nanscan::dtype_max(dtype); }
 
   std::vector<int64_t> loss_entries() const {
     std::vector<int64_t> out;
@@ -656,6 +655,21 @@ py::tuple fast_hooks(const std::shared_ptr<Hooks>& hooks) {
   return py::make_tuple(make(&kPreDef), make(&kPostDef));
 }
 
+// The gradients of `tensors` that exist, in order, and the indices of their tensors; true when every
+// tensor has one.
+bool existing_grads(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& grads,
+                    std::vector<int64_t>& present) {
+  grads.reserve(tensors.size());
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& g = tensors[k].grad();
+    if (g.defined()) {
+      grads.push_back(g);
+      present.push_back(static_cast<int64_t>(k));
+    }
+  }
+  return grads.size() == tensors.size();
+}
+
 // The parameters the monitor checks every step, held in C++: their records after the update and
 // their gradients' records are one call each, with no Python list of hundreds of tensors to convert
 // (an nn.Parameter argument also costs a __torch_function__ check) and no Python object made per
@@ -677,16 +691,8 @@ class TensorSet {
   py::tuple grad_records() const {
     std::vector<at::Tensor> grads;
     std::vector<int64_t> present;
-    grads.reserve(tensors_.size());
-    for (size_t k = 0; k < tensors_.size(); ++k) {
-      const at::Tensor& g = tensors_[k].grad();
-      if (g.defined()) {
-        grads.push_back(g);
-        present.push_back(static_cast<int64_t>(k));
-      }
-    }
+    const bool all = existing_grads(tensors_, grads, present);
     if (grads.empty()) return py::make_tuple(py::none(), py::list());
-    const bool all = grads.size() == tensors_.size();
     return py::make_tuple(summarize_many_with(summarize_, grads),
                           all ? py::object(py::none()) : py::object(py::cast(present)));
   }
@@ -701,19 +707,10 @@ class TensorSet {
 // The parameters' gradients for the read, without a Python attribute access per parameter:
 // (grads of the parameters that have one, in order; None when all have one, else their indices).
 py::tuple param_grads(const std::vector<at::Tensor>& params) {
-  py::list grads;
+  std::vector<at::Tensor> grads;
   std::vector<int64_t> present;
-  bool all = true;
-  for (size_t k = 0; k < params.size(); ++k) {
-    const at::Tensor& g = params[k].grad();
-    if (g.defined()) {
-      grads.append(g);
-      present.push_back(static_cast<int64_t>(k));
-    } else {
-      all = false;
-    }
-  }
-  return py::make_tuple(grads, all ? py::object(py::none()) : py::object(py::cast(present)));
+  const bool all = existing_grads(params, grads, present);
+  return py::make_tuple(py::cast(grads), all ? py::object(py::none()) : py::object(py::cast(present)));
 }
 
 // Per tensor, its dtype's largest finite value (NaN if not floating): the headroom check's maxima
@@ -721,7 +718,7 @@ py::tuple param_grads(const std::vector<at::Tensor>& params) {
 at::Tensor tensor_dtype_maxima(const std::vector<at::Tensor>& tensors) {
   at::Tensor out = at::empty({static_cast<int64_t>(tensors.size())}, at::kDouble);
   double* maxima = out.data_ptr<double>();
-  for (size_t k = 0; k < tensors.size(); ++k) maxima[k] = Rows::dtype_max(tensors[k].scalar_type());
+  for (size_t k = 0; k < tensors.size(); ++k) maxima[k] = dtype_max(tensors[k].scalar_type());
   return out;
 }
 

@@ -102,12 +102,7 @@ class Monitor:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
         self._collect_tensors()
-        # The hooks' records are summarized in batches by C++: with the default kernels through the
-        # op directly (no Python per batch), else by this monitor's _summarize_many. (A sharded
-        # model's values may be DTensors: summarized as local shards, in Python.)
-        many = self._kernels_for(self._model_device())[1]
-        summarize = None if many is torch.ops.nanscan.summarize_many.default and not self._sharded \
-            else self._summarize_many
+        summarize = self._summarize_in_cpp()  # (the hooks' records are summarized in batches by C++)
         # Per read window: the records (production order); eval forwards have their own.
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
@@ -179,9 +174,7 @@ class Monitor:
         # per gradient). The kernels are those of the parameters' device now; a move collects again.
         self._param_set = None
         if self._param_tensors and not self._sharded:
-            summarize = self._kernels_for(self._first_param.device)[1]
-            default = summarize is torch.ops.nanscan.summarize_many.default
-            self._param_set = self._extension.TensorSet(self._param_tensors, None if default else summarize)
+            self._param_set = self._extension.TensorSet(self._param_tensors, self._summarize_in_cpp())
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if self.buffers else []
 
@@ -209,6 +202,13 @@ class Monitor:
         if kernels is None:
             kernels = self._kernels[device] = _ops.kernels(self.backend, device)
         return kernels
+
+    def _summarize_in_cpp(self):
+        """What the C++ side (read windows, gradient sink, parameter set) summarizes with: None for the
+        default kernels on a plain model -- the op, called from C++ with no Python per batch --, else
+        this monitor's _summarize_many (another backend; a sharded model's DTensors, as local shards)."""
+        many = self._kernels_for(self._model_device())[1]
+        return None if many is torch.ops.nanscan.summarize_many.default and not self._sharded else self._summarize_many
 
     def _summarize_many(self, xs: list) -> torch.Tensor:
         if self._sharded:  # (a DTensor module input or optimizer state: its local shard)
