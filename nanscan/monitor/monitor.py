@@ -159,8 +159,17 @@ class Monitor:
     def _collect_tensors(self) -> None:
         """The model's parameters and floating buffers, as the checks read them."""
         model = self.model
-        self._first_param = next(iter(model.parameters()))
+        first_name, self._first_param = next(iter(model.named_parameters()))
         self._where = (self._first_param.device, self._first_param.dtype)
+        # How the first parameter is reached from the root: (holder, attribute dict, key, value) per
+        # step of its name, so that _follow_moves asks a few dicts instead of walking every module.
+        *path, leaf = first_name.split(".")
+        self._first_chain, holder = [], model
+        for key in path:
+            child = holder._modules[key]
+            self._first_chain.append((holder._modules, key, child))
+            holder = child
+        self._first_chain.append((holder._parameters, leaf, self._first_param))
         self._params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._param_names = [n for n, _ in self._params]
         self._all_param_names = frozenset(self._param_names)
@@ -182,15 +191,22 @@ class Monitor:
         """After ``model.to(...)`` (device or dtype) the buffers are new tensors, and with
         ``torch.__future__.set_overwrite_module_params_on_conversion(True)`` (or ``to_empty``) so are
         the parameters: the checks would read the old ones and miss what the new ones hold. Asked
-        at every step end for the price of one parameter lookup; a move collects them again. Not
+        at every step end for the price of a few dict lookups (the first parameter, by its path from
+        the root: a replaced module or parameter on that path, or a new device or dtype, is a
+        move); a move collects them again. Not
         for sharded models: FSDP2 registers unsharded parameters in place of the sharded ones for
         a while; they are not a move."""
         if self._sharded:
             return
-        first = next(iter(self.model.parameters()), None)
-        if first is None or (first is self._first_param and (first.device, first.dtype) == self._where):
-            return
-        self._collect_tensors()
+        for attributes, key, value in self._first_chain:  # (a few dict lookups, not a walk of the model)
+            if attributes.get(key) is not value:
+                break
+        else:
+            first = self._first_param
+            if (first.device, first.dtype) == self._where:
+                return
+        if next(iter(self.model.parameters()), None) is not None:  # (a model left with no parameter: kept)
+            self._collect_tensors()
 
     def _model_device(self) -> torch.device:
         # (The first parameter, kept: model.to() moves a Parameter's data in place, so its device
