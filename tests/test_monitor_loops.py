@@ -622,13 +622,19 @@ def test_a_model_moved_after_watch_is_checked_in_its_new_tensors(overwrite_param
     assert inc.summary.dtype == torch.float64
 
 
-def test_a_gradient_changed_in_place_after_it_was_received_says_cannot_tell():
-    """The C++ tap queues the gradient flowing into a module output and summarizes it later, in a
-    batch. A backward that changes that gradient in place meanwhile (here: the next node's custom
-    backward poisons the gradient it received) leaves a record of the later value: the row is
-    stale, never read as what ``out``'s backward made. Without the staleness check the incident
-    named ``out``, produced -- a wrong place; now it is ``poison``, where the NaN came from, with
-    "cannot tell" for produced (what flowed into it is unknown)."""
+@pytest.mark.parametrize("backend, produced", [("reference", None), (None, True)])
+def test_a_gradient_changed_in_place_after_it_was_received_is_never_read_as_its_producers(backend, produced):
+    """A backward that changes the gradient it received in place (here: the next node's custom
+    backward poisons it) must not make the monitor read the later value as what the earlier
+    node's backward made.
+
+    * Batched (another backend; device tensors): the C++ tap queues the gradient flowing into a
+      module output and summarizes it later. Its record is then of the later value: the row is
+      stale, never read as what ``out``'s backward made. Without the staleness check the incident
+      named ``out``, produced -- a wrong place; it is ``poison``, where the NaN came from, with
+      "cannot tell" for produced (what flowed into it is unknown).
+    * Summarized on arrival (CPU tensors, default kernels): the record is of the value received,
+      finite; the NaN is first in the gradient ``poison``'s backward made -- produced there."""
 
     class PoisonGradInPlace(torch.autograd.Function):
         @staticmethod
@@ -654,9 +660,9 @@ def test_a_gradient_changed_in_place_after_it_was_received_says_cannot_tell():
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+    with nanscan.watch(model, opt, on_nonfinite="record", backend=backend) as mon:
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
     inc = mon.incidents[0]
-    assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "backward", "grad", "poison", None)
+    assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "backward", "grad", "poison", produced)

@@ -184,3 +184,41 @@ def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
 
     torch.testing.assert_close(_C.TensorSet(params, other).records(), held.records(), rtol=0, atol=0, equal_nan=True)
     assert calls == [3]
+
+
+def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later_change_stale():
+    # The monitor's read window (csrc/monitor/recorder.cpp): with the default kernels a CPU tensor
+    # is summarized when it is recorded, so changing it afterwards changes nothing; with another
+    # backend (a Python summarize_many) it waits for its batch, and a change before the batch marks
+    # it stale rather than recording the later value as the earlier one.
+    import types
+
+    from nanscan import _C
+
+    def window(summarize):
+        return _C.Window(object(), lambda rows: None, summarize, None, 1, 64, 1 << 20)
+
+    on_arrival, batched = window(None), window(lambda xs: torch.ops.nanscan.summarize_many(xs))
+    for w, stale in ((on_arrival, False), (batched, True)):
+        first, second = torch.ones(3), torch.tensor([2.0, -1.0])
+        slots = [types.SimpleNamespace(stale=False), types.SimpleNamespace(stale=False)]
+        w.add(first, slots[0])
+        w.add(second, slots[1])
+        first.mul_(float("nan"))  # changed after it was recorded
+        entries, records, rows = w.take()
+        assert entries == slots and rows is None and [s.stale for s in slots] == [stale, False]
+        got = torch.cat(records)
+        assert got.shape == (2, 8)
+        torch.testing.assert_close(got[1], torch.ops.nanscan.summarize(torch.tensor([2.0, -1.0])), rtol=0, atol=0)
+        if not stale:  # the record of what it held when it was recorded
+            torch.testing.assert_close(got[0], torch.ops.nanscan.summarize(torch.ones(3)), rtol=0, atol=0)
+        else:  # (the later value's record, which the read never takes as the earlier one's)
+            assert got[0, 0].item() == 3.0
+    # A block of records made elsewhere (the parameters) keeps its place between them.
+    w = window(None)
+    a, b = torch.ones(2), torch.zeros(2)
+    w.add(a, types.SimpleNamespace(stale=False))
+    w.add_block(torch.full((1, 8), 7.0, dtype=torch.float64), types.SimpleNamespace(start=None), 1)
+    w.add(b, types.SimpleNamespace(stale=False))
+    got = torch.cat(w.take()[1])
+    assert got[:, 3].tolist() == [0.0, 7.0, 2.0]  # zero counts, in production order

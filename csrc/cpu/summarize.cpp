@@ -457,6 +457,13 @@ at::Tensor summarize_many_cpu(at::TensorList xs) {
 
 }  // namespace
 
+// One CPU tensor's record into out[0:RECORD_SIZE]: what summarize_cpu computes (the same chunks,
+// the same bits), for the monitor's records made on arrival (csrc/monitor/grad_sink.h).
+void summarize_cpu_row(const at::Tensor& x, double* out) {
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "nanscan.summarize: this is the CPU kernel, got a tensor on ", x.device());
+  summarize_into({normalize_input(x, "nanscan.summarize")}, out);
+}
+
 TORCH_LIBRARY_IMPL(nanscan, CPU, m) {
   m.impl("summarize", &summarize_cpu);
   m.impl("summarize_many", &summarize_many_cpu);

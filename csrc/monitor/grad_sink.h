@@ -1,7 +1,8 @@
 // The monitor's backward tap: a pre-hook on the autograd node that made a recorded module output
-// receives the gradient flowing into that output and queues it in a GradSink, which summarizes
-// queued gradients in batches (nanscan::summarize_many through the dispatcher, or the Python
-// callable of another kernel backend). No Python runs in the backward with the default kernels,
+// receives the gradient flowing into that output and hands it to a GradSink, which summarizes a
+// CPU gradient on arrival (summarized_on_arrival, below) and queues the others, summarized in
+// batches (nanscan::summarize_many through the dispatcher, or the Python callable of another
+// kernel backend). No Python runs in the backward with the default kernels,
 // and registering the hook costs a C++ call instead of a Python hook object per output per step.
 //
 // Python API (module nanscan._C):
@@ -23,12 +24,53 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include "../record.h"
+
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <vector>
 
 namespace nanscan {
+
+// csrc/cpu/summarize.cpp: the record of one CPU tensor, written to out[0:RECORD_SIZE] -- the code
+// the nanscan::summarize CPU kernel runs, without a dispatcher call or an output tensor.
+void summarize_cpu_row(const at::Tensor& x, double* out);
+
+// Whether a received tensor is summarized on arrival (HostRows) rather than queued for a batch: a
+// plain dense CPU tensor, with the default kernels. Why: on the CPU the kernel is synchronous and
+// a small tensor's record costs less than keeping the tensor alive until its batch (the batch
+// exists to amortize a device launch); summarized on arrival, a record is of the value as it was
+// received -- never stale -- and no tensor is kept. Device tensors and other backends keep the
+// batches. (Wrapper subclasses -- DTensor, FakeTensor -- carry the Python key: batched, through the
+// dispatcher.)
+inline bool summarized_on_arrival(const at::Tensor& t, bool default_kernels) {
+  return default_kernels && t.device().is_cpu() && t.layout() == at::kStrided && t.has_storage() &&
+         !t.key_set().has(c10::DispatchKey::Python);
+}
+
+// Records made on arrival, in order, kept as host rows until sealed into one [k, RECORD_SIZE]
+// float64 tensor (at a read, or when a batched record must come after them).
+struct HostRows {
+  std::vector<double> data;
+
+  bool empty() const { return data.empty(); }
+
+  void add(const at::Tensor& t) {
+    const size_t at = data.size();
+    data.resize(at + kRecordSize);
+    summarize_cpu_row(t, data.data() + at);
+  }
+
+  void seal_into(std::vector<at::Tensor>& blocks) {
+    if (data.empty()) return;
+    at::Tensor rows = at::empty({static_cast<int64_t>(data.size() / kRecordSize), kRecordSize}, at::kDouble);
+    std::copy(data.begin(), data.end(), rows.mutable_data_ptr<double>());
+    blocks.push_back(std::move(rows));
+    data.clear();  // (keeps the capacity for the next window)
+  }
+};
 
 // The largest finite value of a floating dtype (of the real part for complex dtypes); NaN if not floating.
 inline double dtype_max(at::ScalarType dtype) {
@@ -111,12 +153,22 @@ class GradSink {
 
   void add(int64_t index, const at::Tensor& grad) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (summarized_on_arrival(grad, !summarize_)) {
+      flush_pending();  // (batched gradients received before this one: their records come first)
+      host_.add(grad);
+      index_.push_back(index);
+      stale_.push_back(false);
+      dtypes_.push_back(grad.scalar_type());
+      shapes_.emplace_back(grad.sizes().begin(), grad.sizes().end());
+      return;
+    }
+    host_.seal_into(records_);  // (gradients summarized on arrival before this one: their records come first)
     pending_index_.push_back(index);
     pending_.push_back(grad);
     pending_version_.push_back(grad.is_inference() ? -1 : static_cast<int64_t>(grad._version()));
     pending_bytes_ += static_cast<int64_t>(grad.numel()) * static_cast<int64_t>(grad.element_size());
     // Bounded: at most `batch` gradients or `batch_bytes` of them are kept alive here.
-    if (static_cast<int64_t>(pending_.size()) >= batch_ || pending_bytes_ >= batch_bytes_) flush_locked();
+    if (static_cast<int64_t>(pending_.size()) >= batch_ || pending_bytes_ >= batch_bytes_) flush_pending();
   }
 
   int64_t size() {
@@ -146,6 +198,11 @@ class GradSink {
 
  private:
   void flush_locked() {
+    host_.seal_into(records_);
+    flush_pending();
+  }
+
+  void flush_pending() {
     if (pending_.empty()) return;
     for (size_t k = 0; k < pending_.size(); ++k) {
       const auto& g = pending_[k];
@@ -171,6 +228,7 @@ class GradSink {
   std::vector<bool> stale_;
   std::vector<at::ScalarType> dtypes_;
   std::vector<c10::SmallVector<int64_t, 5>> shapes_;
+  HostRows host_;  // (at most one of host_ and pending_ holds rows: the records stay in order)
 };
 
 struct RecordGrad : torch::autograd::FunctionPreHook {

@@ -26,7 +26,7 @@
 //       [k, RECORD_SIZE] blocks in order (a read stacks them once, with its other records), and
 //       the Rows of the window
 //   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
-//       consumers, grad, stale); frame(f) -> (info, outputs); set_grads(entries, start);
+//       consumers, grad, stale, inputs_changed); frame(f) -> (info, outputs); set_grads(entries, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
 //   TensorSet(tensors, summarize=None)  tensors held for the per-step checks (the parameters)
@@ -87,6 +87,11 @@ struct Row {
 struct Frame {
   int32_t info;
   c10::SmallVector<int32_t, 2> inputs, outputs;
+  // Each input's tensor and version when the call began (-1: an inference tensor), and whether the
+  // call changed one in place: what its outputs were computed from is then unknown, although the
+  // input's own record (made on arrival, before the call) is right.
+  c10::SmallVector<std::pair<const c10::TensorImpl*, int64_t>, 2> input_versions;
+  bool inputs_changed = false;
 };
 
 struct Known {
@@ -138,7 +143,8 @@ struct Rows {
     return py::make_tuple(static_cast<int>(r.kind), r.info, r.label, r.step,
                           r.kind == kLoss ? "loss" : phase_name(r.phase), dtype_object(r.dtype),
                           int_tuple(r.shape), int_tuple(inputs), r.candidate, consumers,
-                          r.grad < 0 ? py::object(py::none()) : py::object(py::int_(r.grad)), r.stale);
+                          r.grad < 0 ? py::object(py::none()) : py::object(py::int_(r.grad)), r.stale,
+                          r.kind != kBatch && r.frame >= 0 && frames[r.frame].inputs_changed);
   }
 
   py::tuple frame(int64_t f) const {
@@ -207,7 +213,7 @@ class Window {
          int64_t batch, int64_t batch_bytes)
       : marker_(std::move(marker)), make_rows_(std::move(make_rows)),
         summarize_(summarize.is_none() ? py::object() : std::move(summarize)), on_stale_(std::move(on_stale)),
-        n_infos_(n_infos), batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes) {
+        n_infos_(n_infos), batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes), default_kernels_(!summarize_) {
     rows_.last_frame.assign(n_infos_, -1);
   }
 
@@ -218,23 +224,24 @@ class Window {
   int64_t size() const { return static_cast<int64_t>(PyList_GET_SIZE(entries_.ptr())); }
 
   int64_t add_py(const at::Tensor& t, py::object slot) {
-    before_add(t);
+    const bool now = before_add(t);
     entries_.append(std::move(slot));
     rows_.row_of.push_back(-1);
-    return after_add(t);
+    return after_add(t, now);
   }
 
   int64_t add_row(const at::Tensor& t, Row&& row) {
-    before_add(t);
+    const bool now = before_add(t);
     entries_.append(marker_);
     rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
     rows_.rows.push_back(std::move(row));
-    return after_add(t);
+    return after_add(t, now);
   }
 
   void add_block(const at::Tensor& records, py::object block, int64_t n) {
     if (n <= 0) return;
     flush();
+    host_.seal_into(blocks_);  // (the records before the block's, in order)
     block.attr("start") = size();
     blocks_.push_back(records);
     for (int64_t k = 0; k < n; ++k) {
@@ -269,6 +276,7 @@ class Window {
 
   py::tuple take() {
     flush();
+    host_.seal_into(blocks_);
     py::list entries = entries_;
     entries_ = py::list();
     auto rows = std::make_shared<Rows>(std::move(rows_));
@@ -327,14 +335,27 @@ class Window {
   }
 
  private:
-  void before_add(const at::Tensor& t) {
+  // Whether t is summarized on arrival (grad_sink.h: a CPU tensor with the default kernels) or
+  // queued; the records before its own are put in order first (at most one of host_ and queued_
+  // holds rows).
+  bool before_add(const at::Tensor& t) {
+    if (summarized_on_arrival(t, default_kernels_)) {
+      flush();
+      return true;
+    }
+    host_.seal_into(blocks_);
     if (has_device_ && t.device() != device_) flush();
     device_ = t.device();
     has_device_ = true;
+    return false;
   }
 
-  int64_t after_add(const at::Tensor& t) {
+  int64_t after_add(const at::Tensor& t, bool now) {
     int64_t entry = size() - 1;
+    if (now) {  // (never stale: summarized as it is when recorded)
+      host_.add(t);
+      return entry;
+    }
     queued_.push_back(t);
     if (t.is_inference()) {  // no version counter to check: summarize it now
       versions_.push_back(-1);
@@ -349,6 +370,8 @@ class Window {
 
   py::object marker_, make_rows_, summarize_, on_stale_;
   int64_t n_infos_, batch_, batch_bytes_;
+  bool default_kernels_;
+  HostRows host_;  // records made on arrival, not yet sealed into a block
   py::list entries_;
   // (Open addressing: no node allocated per recorded tensor; clear() keeps the slots for the next window.)
   ska::flat_hash_map<c10::TensorImpl*, Known> known_;
@@ -471,7 +494,7 @@ class Hooks {
       gather(kwargs.ptr(), "input", found);
     }
     const int32_t fid = static_cast<int32_t>(w.rows_.frames.size());
-    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}});
+    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}, {}, false});
     const StackEntry* parent =
         (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
          stack_.back().generation == w.generation) ? &stack_.back()
@@ -502,6 +525,8 @@ class Hooks {
         w.remember(t, entry);
       }
       w.rows_.frames[fid].inputs.push_back(entry);
+      w.rows_.frames[fid].input_versions.emplace_back(
+          t.unsafeGetTensorImpl(), t.is_inference() ? -1 : static_cast<int64_t>(t._version()));
     }
     if (info.inplace && !found.empty()) w.flush();
     stack_.push_back({fid, &w, w.generation});
@@ -528,6 +553,15 @@ class Hooks {
     if (top.window != &w || top.generation != w.generation || w.rows_.frames[top.frame].info != idx) {
       stack_.clear();  // out of step: a forward raised and left its frames behind
       return;
+    }
+    {  // (the inputs are alive: the call's arguments hold them)
+      Frame& frame = w.rows_.frames[top.frame];
+      for (const auto& [impl, version] : frame.input_versions) {
+        if (version >= 0 && static_cast<int64_t>(impl->version_counter().current_version()) != version) {
+          frame.inputs_changed = true;
+          break;
+        }
+      }
     }
     Found found;
     gather(output.ptr(), "", found);

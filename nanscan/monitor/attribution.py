@@ -19,7 +19,9 @@ the slot's inputs:
 
 A slot that went stale (its tensor was changed in place before it was summarized) is never an
 incident, and a value computed from a stale one gets ``produced=None``: nanscan does not know
-what the stale tensor held.
+what the stale tensor held. Nor does it know what a module call that changed one of its inputs in
+place computed from (its input's record, made before the call, is right; the call then read
+something else): its outputs get ``produced=None`` too.
 """
 from __future__ import annotations
 
@@ -81,9 +83,10 @@ def first_incidents(slots, values, bad: set, *, allow, handled_step: Optional[in
         if s.known_bad_inputs is not None:  # inputs read in an earlier window
             bad_inputs = tuple(s.known_bad_inputs)
             produced = not bad_inputs
-        elif any(at(slots, j).stale for j in inputs):
-            # What a stale input held when it was used is unknown: only a non-finite input that is
-            # not stale says "propagated".
+        elif s.inputs_changed or any(at(slots, j).stale for j in inputs):
+            # What a stale input held when it was used is unknown, and so is what a call that
+            # changed its inputs in place computed from: only a non-finite input that is not stale
+            # says "propagated".
             produced = False if any(j in bad and not at(slots, j).stale for j in inputs) else None
         elif s.kind == "optimizer_state" or (s.kind in ("grad", "param", "buffer") and not inputs
                                              and s.grad_of is None):

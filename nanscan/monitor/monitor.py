@@ -102,7 +102,7 @@ class Monitor:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
         self._collect_tensors()
-        summarize = self._summarize_in_cpp()  # (the hooks' records are summarized in batches by C++)
+        summarize = self._summarize_in_cpp()  # (the hooks' records are summarized by C++: in batches, on arrival on the CPU)
         # Per read window: the records (production order); eval forwards have their own.
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
@@ -645,6 +645,7 @@ class Monitor:
         if not blocks:
             return
         copy = Copy.start(blocks, slots, [], None, handled=False, step=self.step_index, non_blocking=False)
+        copy.eval = True
         self._decode(copy, raise_incident=self.eval_forwards == "raise")
 
     def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:
@@ -689,8 +690,8 @@ class Monitor:
             # (read after the backward; eager ones are last in index order already).
             grad_start = copy.grad_start if copy.grad_start is not None else offset
             position = (lambda i: (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i)))
-        phase = at(slots, 0).phase if slots else None
-        if phase != "eval":
+        training = not copy.eval  # (a read is of one window: the training one or the eval one)
+        if training:
             self._check_hooks_ran(copy, slots)
             self._note_read(slots, bad, step, copy.grad_start)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank, reduced_grads=distributed.active(),
@@ -702,10 +703,10 @@ class Monitor:
                 known.extend(n for n in names if n not in known)
         if self.steplog is not None:
             self.steplog.observe(slots, [row(i) for i in range(len(slots))], [i in bad for i in range(len(slots))])
-        if self.headroom is not None and phase != "eval":
+        if self.headroom is not None and training:
             self._check_headroom(copy, slots, row, bad)
         report = found[0] if found and not found[0].handled_by_scaler else None
-        if phase != "eval" and distributed.active():  # every rank reports the same incident in the same step
+        if training and distributed.active():  # every rank reports the same incident in the same step
             report = distributed.agree(report)
             if report is not None and report.rank != self.rank:
                 self.incidents.append(report)

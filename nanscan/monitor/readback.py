@@ -38,6 +38,7 @@ class Copy:
         self.window_rows = 0  # rows per sub-window
         self.grad_start: Optional[int] = None  # where the parameter gradients' block starts, if read
         self.recorded_forward = True  # a training forward was recorded in the window
+        self.eval = False  # the read of an eval window (eval forwards), not of a training step
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,

@@ -19,6 +19,10 @@ Why that is safe: a tensor changed in place between its hook and the batch would
 with its later value. Its version counter says so; the slot is then marked ``stale`` (nanscan
 cannot tell what it held when it was produced, and says so), and the module it came from is
 recorded without batching from then on.
+
+On the CPU with the default kernels there is no batch: a tensor is summarized the moment it is
+recorded (``summarized_on_arrival`` in ``csrc/monitor/grad_sink.h``), so its record is never stale
+and no tensor is kept alive for a batch.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ class Slot:
     parameter gradient read at the check, the parameter."""
 
     __slots__ = ("step", "phase", "kind", "name", "dtype", "shape", "inputs", "candidate", "owner",
-                 "consumers", "grad", "grad_of", "param", "stale", "derived", "known_bad_inputs", "late")
+                 "consumers", "grad", "grad_of", "param", "stale", "derived", "known_bad_inputs", "late",
+                 "inputs_changed")
 
     def __init__(self, step, phase, kind, name, dtype, shape, inputs=(), candidate=True, owner=None):
         self.step, self.phase, self.kind, self.name = step, phase, kind, name
@@ -50,6 +55,8 @@ class Slot:
         self.known_bad_inputs = None
         # Recorded eagerly after a compiled forward whose rows are decoded after it: not a producer.
         self.late = False
+        # Made by a call that changed one of its inputs in place: what it was computed from is unknown.
+        self.inputs_changed = False
 
 
 class Block:
@@ -88,9 +95,10 @@ class Block:
 
 class GradBlock(Block):
     """Gradients flowing into module outputs, received by the C++ backward tap
-    (``csrc/monitor/grad_sink.h``) and summarized there in batches: ``indices[k]`` is the slot
-    (in ``window``) of the output whose gradient row k is; ``meta`` (a ``nanscan._C.GradMeta``) holds
-    each row's dtype, shape and staleness in C++, asked only for a row that is looked at."""
+    (``csrc/monitor/grad_sink.h``) and summarized there (in batches; on arrival on the CPU):
+    ``indices[k]`` is the slot (in ``window``) of the output whose gradient row k is; ``meta`` (a
+    ``nanscan._C.GradMeta``) holds each row's dtype, shape and staleness in C++, asked only for a
+    row that is looked at."""
 
     def __init__(self, step, window, indices, meta):
         super().__init__(step, "backward", "grad", None, None, None)
@@ -154,7 +162,8 @@ class EagerRows(Block):
         return self._steps
 
     def slot(self, index: int) -> Slot:
-        kind, info, label, step, phase, dtype, shape, inputs, candidate, consumers, grad, stale = self.rows.row(index)
+        kind, info, label, step, phase, dtype, shape, inputs, candidate, consumers, grad, stale, changed = \
+            self.rows.row(index)
         module = self.infos[info]
         owner = module
         if kind == OUTPUT:
@@ -169,7 +178,7 @@ class EagerRows(Block):
                     owner)
         slot.late = not candidate and kind in (OUTPUT, MODEL_LOSS)
         slot.consumers = [self._call(f) for f in consumers] or None
-        slot.grad, slot.stale = grad, stale
+        slot.grad, slot.stale, slot.inputs_changed = grad, stale, changed
         return slot
 
     def _call(self, frame: int) -> Call:
