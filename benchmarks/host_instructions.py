@@ -1,0 +1,103 @@
+"""Host cost of nanscan.watch in instructions: the host_cost benchmark's model and variants, counted
+by valgrind (callgrind) instead of timed -- a number that does not move with the machine's load.
+
+Why: on a shared machine the wall-time ratios of ``benchmarks.host_cost`` drift run to run (on
+2026-12-01 the same build measured 1.3x -- 2.7x the floor within an hour, while the unwatched step
+itself varied 5.7 -- 7.9 ms). An instruction count is exact and repeatable, so it tells whether a
+change cut the monitor's host work, side by side with a base build. It is not time: cache misses,
+allocator behaviour and atomics cost cycles that it does not count (on this machine the
+wall-time ratio to the floor runs about 1.3x the instruction ratio), so it complements the timed
+benchmark and never replaces it.
+
+Each variant runs in its own process under ``valgrind --tool=callgrind``, collecting only inside
+``functools.reduce`` over the timed steps (after warm-up steps that are not counted), so the
+import of torch and the setup are left out. Per module = (variant - unwatched) / 201 modules.
+
+    python -m benchmarks.host_instructions [--steps N] [--jobs J] [--only TEXT]
+
+Needs ``valgrind`` on the PATH (about 2.5 minutes per variant, most of it importing torch under
+valgrind); not part of ``make test``.
+"""
+import argparse
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+VARIANTS = ("unwatched", "no-op hooks (floor)", "watched (every step)", "watched, activation_grads=False",
+            "watched, activations=False")
+
+
+def child(variant: str, steps: int) -> None:
+    """Run ``steps`` counted training steps of ``variant`` (inside functools.reduce: what is counted)."""
+    import torch
+
+    from benchmarks.host_cost import _variants, make_host_bound, train_step
+
+    torch.set_num_threads(1)
+    model, opt, x = make_host_bound()
+    _, teardown = _variants()[variant](model, opt)
+    for _ in range(5):  # (warm-up: not counted)
+        train_step(model, opt, x)
+    functools.reduce(lambda _, __: train_step(model, opt, x), range(steps), None)
+    teardown()
+
+
+def count(variant: str, steps: int) -> int:
+    """Instructions executed in ``steps`` steps of ``variant`` (callgrind's Ir, collected in reduce only)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
+             f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out')}", sys.executable, "-m",
+             "benchmarks.host_instructions", "--child", variant, "--steps", str(steps)],
+            capture_output=True, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    found = re.search(r"Collected\s*:\s*([\d,]+)", out.stderr)
+    if out.returncode != 0 or found is None:
+        raise RuntimeError(f"callgrind run of {variant!r} failed (rc {out.returncode}):\n{out.stderr[-2000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="counted steps per variant (default 5)")
+    parser.add_argument("--jobs", type=int, default=2, help="variants counted at once (default 2)")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="count only the variants whose name contains TEXT (with the unwatched step "
+                             "and the floor)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child, args.steps)
+        return 0
+    if shutil.which("valgrind") is None:
+        print("host_instructions: valgrind is not installed; nothing measured")
+        return 0
+    names = [v for v in VARIANTS if v in VARIANTS[:2] or not args.only or any(o in v for o in args.only)]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        counts = dict(zip(names, pool.map(lambda v: count(v, args.steps), names)))
+    import torch
+
+    from benchmarks.host_cost import make_host_bound
+
+    n_modules = len(list(make_host_bound()[0].modules()))
+    base = counts["unwatched"] / args.steps
+    floor = (counts["no-op hooks (floor)"] / args.steps - base) / n_modules
+    print(f"host instructions: 200x Linear(8,8), batch 1, 1 thread, cpu, torch {torch.__version__}, "
+          f"{args.steps} counted steps per variant (callgrind)")
+    print(f"{'variant':<34} {'instr/step':>12} {'ratio':>6} {'instr/module':>13} {'x floor':>8}")
+    print("-" * 78)
+    for name, total in counts.items():
+        per_step = total / args.steps
+        per_module = (per_step - base) / n_modules
+        x_floor = f"{per_module / floor:8.2f}" if name != "unwatched" and floor > 0 else f"{'-':>8}"
+        print(f"{name:<34} {per_step:>12,.0f} {per_step / base:>6.3f} {per_module:>13,.0f} {x_floor}")
+    print(f"per module: (variant - unwatched) / {n_modules} modules; instructions, not time (see the docstring)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
