@@ -666,3 +666,18 @@ def test_a_gradient_changed_in_place_after_it_was_received_is_never_read_as_its_
         opt.zero_grad()
     inc = mon.incidents[0]
     assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "backward", "grad", "poison", produced)
+
+
+def test_a_module_that_declares_it_works_in_place_keeps_produced():
+    """A call that changes its input in place gives its outputs "cannot tell" -- unless the module
+    says it works in place (``inplace=True``): it computes from what its input held when the call
+    began, which is what the input's record holds. ``nn.Threshold(0, inf, inplace=True)`` turns the
+    non-positive values of a finite input into +inf: made there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Threshold(0.0, float("inf"), inplace=True), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+    inc = mon.incidents[0]
+    assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "forward", "activation", "1", True)

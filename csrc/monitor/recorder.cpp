@@ -554,7 +554,9 @@ class Hooks {
       stack_.clear();  // out of step: a forward raised and left its frames behind
       return;
     }
-    {  // (the inputs are alive: the call's arguments hold them)
+    if (!info.inplace) {  // (the inputs are alive: the call's arguments hold them)
+      // A module that declares it works in place (nn.ReLU(inplace=True) ...) computes from what
+      // its inputs held when the call began: their records (made before it ran) say that.
       Frame& frame = w.rows_.frames[top.frame];
       for (const auto& [impl, version] : frame.input_versions) {
         if (version >= 0 && static_cast<int64_t>(impl->version_counter().current_version()) != version) {
