@@ -2,12 +2,12 @@
 
 Per module call, a forward pre-hook and a forward hook: Python wrappers of two lines around the C++
 hooks (``csrc/monitor/recorder.cpp``), which do the work -- walk the inputs and outputs, keep the
-tensor-identity map, make a row per record, queue the tensor in the read window
-(:class:`nanscan._C.Window`: summarized in batches on a device, on arrival on the CPU) and tap its gradient: per recorded module
-output that has an autograd node, one C++ pre-hook on that node receives the gradient flowing
-into the output (``csrc/monitor/grad_sink.h``). No Python runs in the backward; a row becomes a
-Python :class:`~nanscan.monitor.slots.Slot` only when a read is decoded and asks for it
-(:class:`~nanscan.monitor.slots.EagerRows`). Everything the hooks need about a module (name,
+tensor-identity map, make a row per record, hand the tensor to the read window
+(:class:`nanscan._C.Window`: summarized in batches on a device, on arrival on the CPU) and tap its
+gradient: per recorded module output that has an autograd node, one C++ pre-hook on that node
+receives the gradient flowing into the output (``csrc/monitor/grad_sink.h``). No Python runs in
+the backward; a row becomes a Python :class:`~nanscan.monitor.slots.Slot` only when a read is
+decoded and asks for it (:class:`~nanscan.monitor.slots.EagerRows`). Everything the hooks need about a module (name,
 whether it works in place, the root flag) is in a :class:`ModuleInfo` built once at ``watch``.
 Why C++: on a GPU the host's Python time per module is on the critical path of every step
 (``benchmarks/host_cost.py``).

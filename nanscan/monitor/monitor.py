@@ -102,7 +102,8 @@ class Monitor:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
         self._collect_tensors()
-        summarize = self._summarize_in_cpp()  # (the hooks' records are summarized by C++: in batches, on arrival on the CPU)
+        # (The hooks' records are summarized by C++: in batches on a device, on arrival on the CPU.)
+        summarize = self._summarize_in_cpp()
         # Per read window: the records (production order); eval forwards have their own.
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
@@ -161,8 +162,9 @@ class Monitor:
         model = self.model
         first_name, self._first_param = next(iter(model.named_parameters()))
         self._where = (self._first_param.device, self._first_param.dtype)
-        # How the first parameter is reached from the root: (holder, attribute dict, key, value) per
-        # step of its name, so that _follow_moves asks a few dicts instead of walking every module.
+        # How the first parameter is reached from the root: (the holder's _modules or _parameters,
+        # key, value) per part of its name, so that _follow_moves asks a few dicts instead of
+        # walking every module.
         *path, leaf = first_name.split(".")
         self._first_chain, holder = [], model
         for key in path:
