@@ -16,6 +16,7 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Float8_e5m2fnuz.h>
 #include <c10/util/Half.h>
+#include <c10/util/MaybeOwned.h>
 
 #include <cstdint>
 
@@ -63,6 +64,17 @@ inline at::Tensor normalize_input(const at::Tensor& x, const char* op) {
   TORCH_CHECK_TYPE(is_supported_real_dtype(t.scalar_type()), op, ": dtype ", x.scalar_type(),
                    " is not supported (", kSupportedText, ")");
   return t;
+}
+
+// normalize_input without a copy of the handle when x is read as it is (every real tensor that is
+// not a lazily negated view): the per-tensor path of summarize_many over a model's parameters,
+// where a Tensor copy is two atomic reference-count updates per tensor per call.
+inline c10::MaybeOwned<at::Tensor> normalized_input(const at::Tensor& x, const char* op) {
+  if (x.defined() && !x.is_complex() && x.layout() == at::kStrided && !x.is_nested() && !x.is_quantized() &&
+      !x.is_neg() && is_supported_real_dtype(x.scalar_type())) {
+    return c10::MaybeOwned<at::Tensor>::borrowed(x);
+  }
+  return c10::MaybeOwned<at::Tensor>::owned(normalize_input(x, op));
 }
 
 }  // namespace nanscan

@@ -378,27 +378,53 @@ void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* 
   total.write(out);
 }
 
+// One tensor's record, its chunks scanned and merged in order on this thread: the serial path (the
+// threaded one below merges the same chunks in the same order, so the bits do not depend on the path).
+void summarize_serial(const at::Tensor& t, double* out) {
+  const int64_t n = t.numel();
+  if (n <= kChunk && t.is_contiguous()) {
+    // One contiguous chunk -- nearly every tensor a monitor summarizes: the same scan as below (the
+    // same bits) without the chunk machinery, which cost more than scanning a small tensor. One
+    // chunk's merge is the chunk's partial, its FP32 sum rounded to FP32 (exact: summed in FP32).
+#define NANSCAN_CPU_CASE(enum_type, cpp_type)                                                 \
+  case at::enum_type: {                                                                       \
+    Partial<cmp_t<cpp_type>> p;                                                               \
+    scan_contiguous(static_cast<const cpp_type*>(t.const_data_ptr()), 0, n, p);               \
+    Partial<double> total;                                                                    \
+    total.merge({p.nan, p.posinf, p.neginf, p.zero, p.min, p.max, static_cast<double>(p.sumsq), p.first}); \
+    if (sums_in_fp32(at::enum_type)) total.sumsq = static_cast<float>(total.sumsq);           \
+    total.write(out);                                                                         \
+    return;                                                                                   \
+  }
+    switch (t.scalar_type()) {
+      NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CPU_CASE)
+      default:
+        TORCH_CHECK_TYPE(false, "nanscan: unexpected dtype ", t.scalar_type(), " (", kSupportedText, ")");
+    }
+#undef NANSCAN_CPU_CASE
+  }
+  const Geometry g(t);
+  Partial<double> part;
+  merge_chunks(t, (n + kChunk - 1) / kChunk, [&](int64_t c) -> const Partial<double>& {
+    part = Partial<double>();
+    scan_any(t, g, c * kChunk, std::min(n, (c + 1) * kChunk), part);
+    return part;
+  }, out);
+}
+
+// Inputs as the kernels read them (normalized_input): borrowed handles where nothing was converted.
+using Inputs = c10::SmallVector<c10::MaybeOwned<at::Tensor>, 1>;
+
 // Writes one record per input into rows of `out` ([n, 8] float64, contiguous).
-void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
+void summarize_into(const Inputs& inputs, double* out) {
   int64_t total = 0;
-  for (const at::Tensor& x : inputs) total += x.numel();
+  for (const auto& x : inputs) total += x->numel();
   // Threads only past 4 chunks of elements (256K): many small tensors (a model's parameters and
   // gradients, summarized by the monitor every step) are a few microseconds of work, less than
   // waking the pool -- and on a busy machine a descheduled pool thread makes the whole call wait.
-  // Then each tensor is scanned and written in turn, with no work list: the same chunks merged in
-  // the same order as the threaded path, so the result does not depend on the path.
+  // Then each tensor is scanned and written in turn, with no work list.
   if (total <= 4 * kChunk) {
-    for (size_t k = 0; k < inputs.size(); ++k) {
-      const at::Tensor& t = inputs[k];
-      const Geometry g(t);
-      const int64_t n = t.numel();
-      Partial<double> part;
-      merge_chunks(t, (n + kChunk - 1) / kChunk, [&](int64_t c) -> const Partial<double>& {
-        part = Partial<double>();
-        scan_any(t, g, c * kChunk, std::min(n, (c + 1) * kChunk), part);
-        return part;
-      }, out + k * kRecordSize);
-    }
+    for (size_t k = 0; k < inputs.size(); ++k) summarize_serial(*inputs[k], out + k * kRecordSize);
     return;
   }
   std::vector<Geometry> geometry;
@@ -406,9 +432,9 @@ void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
   std::vector<int64_t> first_item(inputs.size() + 1, 0);
   geometry.reserve(inputs.size());
   for (size_t k = 0; k < inputs.size(); ++k) {
-    geometry.emplace_back(inputs[k]);
+    geometry.emplace_back(*inputs[k]);
     first_item[k] = static_cast<int64_t>(work.size());
-    const int64_t n = inputs[k].numel();
+    const int64_t n = inputs[k]->numel();
     for (int64_t b = 0; b < n; b += kChunk) work.push_back({static_cast<int64_t>(k), b, std::min(n, b + kChunk)});
   }
   first_item[inputs.size()] = static_cast<int64_t>(work.size());
@@ -418,24 +444,24 @@ void summarize_into(const std::vector<at::Tensor>& inputs, double* out) {
   at::parallel_for(0, n_items, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t w = lo; w < hi; ++w) {
       const WorkItem& item = work[w];
-      scan_any(inputs[item.tensor], geometry[item.tensor], item.begin, item.end, partials[w]);
+      scan_any(*inputs[item.tensor], geometry[item.tensor], item.begin, item.end, partials[w]);
     }
   });
 
   for (size_t k = 0; k < inputs.size(); ++k) {
     const int64_t first = first_item[k];
-    merge_chunks(inputs[k], first_item[k + 1] - first,
+    merge_chunks(*inputs[k], first_item[k + 1] - first,
                  [&](int64_t c) -> const Partial<double>& { return partials[first + c]; }, out + k * kRecordSize);
   }
 }
 
-std::vector<at::Tensor> normalize_all(at::TensorList xs, const char* op) {
-  std::vector<at::Tensor> inputs;
+Inputs normalize_all(at::TensorList xs, const char* op) {
+  Inputs inputs;
   inputs.reserve(xs.size());
   for (const at::Tensor& x : xs) {
     TORCH_CHECK_VALUE(!x.defined() || x.device().is_cpu(), op, ": this is the CPU kernel, got a tensor on ",
                       x.device());
-    inputs.push_back(normalize_input(x, op));
+    inputs.push_back(normalized_input(x, op));
   }
   return inputs;
 }
@@ -461,7 +487,14 @@ at::Tensor summarize_many_cpu(at::TensorList xs) {
 // the same bits), for the monitor's records made on arrival (csrc/monitor/grad_sink.h).
 void summarize_cpu_row(const at::Tensor& x, double* out) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), "nanscan.summarize: this is the CPU kernel, got a tensor on ", x.device());
-  summarize_into({normalize_input(x, "nanscan.summarize")}, out);
+  const auto t = normalized_input(x, "nanscan.summarize");
+  if (t->numel() <= 4 * kChunk) {  // (summarize_into's serial path, without a list of one)
+    summarize_serial(*t, out);
+    return;
+  }
+  Inputs inputs;
+  inputs.push_back(c10::MaybeOwned<at::Tensor>::borrowed(*t));
+  summarize_into(inputs, out);
 }
 
 TORCH_LIBRARY_IMPL(nanscan, CPU, m) {

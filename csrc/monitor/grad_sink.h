@@ -192,6 +192,11 @@ class GradSink {
       meta->stale.swap(stale_);
       meta->dtypes.swap(dtypes_);
       meta->shapes.swap(shapes_);
+      // (The next read receives about as many: no reallocations as they arrive.)
+      index_.reserve(index.size());
+      stale_.reserve(index.size());
+      dtypes_.reserve(index.size());
+      shapes_.reserve(index.size());
     }
     return py::make_tuple(py::cast(index), py::cast(records), py::cast(meta));
   }

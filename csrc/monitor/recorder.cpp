@@ -282,6 +282,10 @@ class Window {
     auto rows = std::make_shared<Rows>(std::move(rows_));
     rows_ = Rows();
     rows_.last_frame.assign(n_infos_, -1);
+    // (Most windows record what the last one did: no reallocation -- moving every Row -- as they grow.)
+    rows_.rows.reserve(rows->rows.size());
+    rows_.row_of.reserve(rows->row_of.size());
+    rows_.frames.reserve(rows->frames.size());
     known_.clear();
     has_device_ = false;
     ++generation;
@@ -382,7 +386,29 @@ class Window {
   bool has_device_ = false;
 };
 
-using Found = c10::SmallVector<std::pair<std::string, at::Tensor>, 4>;  // (inline: one per hook call)
+// A floating / complex tensor found in a hook's arguments or output, with where it sits. The handle
+// is borrowed from the Python object that holds it (alive for the whole hook call: no reference
+// count traffic per tensor), owned only for a subclass's local tensor.
+struct FoundTensor {
+  std::string label;
+  c10::MaybeOwned<at::Tensor> tensor;
+};
+using Found = c10::SmallVector<FoundTensor, 4>;  // (inline: one per hook call)
+
+// prefix + "[i]", without the temporaries of string concatenation (one per tuple item per call).
+std::string indexed(const std::string& prefix, Py_ssize_t i) {
+  std::string out;
+  out.reserve(prefix.size() + 8);
+  out += prefix;
+  out += '[';
+  if (i < 10) {
+    out += static_cast<char>('0' + i);
+  } else {
+    out += std::to_string(i);
+  }
+  out += ']';
+  return out;
+}
 
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
@@ -394,16 +420,18 @@ void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 
       // the kernels take plain tensors, and a rank's record describes what it holds.
       PyObject* local = PyObject_GetAttrString(value, "_local_tensor");
       if (local != nullptr && THPVariable_Check(local)) {
-        const at::Tensor t = THPVariable_Unpack(local);
+        at::Tensor t = THPVariable_Unpack(local);
         Py_DECREF(local);
-        if (t.is_floating_point() || t.is_complex()) out.emplace_back(prefix, t);
+        if (t.is_floating_point() || t.is_complex()) {
+          out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
+        }
         return;
       }
       Py_XDECREF(local);
       PyErr_Clear();
     }
     const at::Tensor& t = THPVariable_Unpack(value);
-    if (t.is_floating_point() || t.is_complex()) out.emplace_back(prefix, t);
+    if (t.is_floating_point() || t.is_complex()) out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
     return;
   }
   if (depth > 32 || value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
@@ -412,13 +440,13 @@ void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 
   }
   if (PyTuple_Check(value)) {
     for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(value); i < n; ++i) {
-      gather(PyTuple_GET_ITEM(value, i), prefix + "[" + std::to_string(i) + "]", out, depth + 1);
+      gather(PyTuple_GET_ITEM(value, i), indexed(prefix, i), out, depth + 1);
     }
     return;
   }
   if (PyList_Check(value)) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) {
-      gather(PyList_GET_ITEM(value, i), prefix + "[" + std::to_string(i) + "]", out, depth + 1);
+      gather(PyList_GET_ITEM(value, i), indexed(prefix, i), out, depth + 1);
     }
     return;
   }
@@ -499,7 +527,8 @@ class Hooks {
         (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
          stack_.back().generation == w.generation) ? &stack_.back()
                                                                                                    : nullptr;
-    for (auto& [label, t] : found) {
+    for (auto& f : found) {
+      const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
       if (entry >= 0) {
         int32_t r = w.rows_.row_of[entry];
@@ -518,7 +547,7 @@ class Hooks {
           row.kind = kBatch;
           row.info = static_cast<int32_t>(idx);
           row.candidate = false;
-          row.label = label;
+          row.label = std::move(f.label);
         }
         row.consumers.push_back(fid);
         entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
@@ -571,7 +600,8 @@ class Hooks {
     const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
     c10::SmallVector<int32_t, 2> outputs;
     bool made_loss = false;
-    for (auto& [label, t] : found) {
+    for (auto& f : found) {
+      const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
       if (entry >= 0) {  // an input or a child's output, returned unchanged
         outputs.push_back(entry);
@@ -586,11 +616,11 @@ class Hooks {
       row.frame = top.frame;
       row.dtype = t.scalar_type();
       row.shape.assign(t.sizes().begin(), t.sizes().end());
-      if (info.is_root && phase_ == kForward && label == ".loss") {  // HF-style: the model returns its loss
+      if (info.is_root && phase_ == kForward && f.label == ".loss") {  // HF-style: the model returns its loss
         row.kind = kLoss;
         made_loss = true;
       }
-      row.label = std::move(label);
+      row.label = std::move(f.label);
       entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
       w.remember(t, entry);
       if (tap_grads) tap(t, sink_, entry);
