@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -205,8 +206,9 @@ struct VecState {
   }
 
   // Reduction of several states in a fixed order -- lanewise across the states first, then one
-  // horizontal pass (for small tensors this reduction is most of the work) --; false if a lane's
-  // sum of squares is not finite (a non-finite input or an overflow: the caller rescans).
+  // horizontal pass (for small tensors this reduction is most of the work) --; false if the sum of
+  // squares is not finite (a non-finite input, or an overflow: the caller rescans, and the scalar
+  // path says which).
   template <size_t N>
   static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
@@ -218,12 +220,29 @@ struct VecState {
       sumsq = sumsq + states[k].sumsq;  // (squares are >= 0: the sum is finite iff every part is)
       neg_zeros = neg_zeros + states[k].neg_zeros;
     }
-    acc_t lmin[n], lmax[n], lsq[n];
     at::vec::int_same_size_t<acc_t> lzero[n];
+    neg_zeros.store(lzero);
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<acc_t, float>) {
+      // Three shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
+      // (or NaN): their total is finite iff every lane is and the total did not overflow.
+      const float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sumsq);
+      if (!std::isfinite(total)) return false;
+      p.sumsq += total;
+      p.min = std::min(p.min, static_cast<double>(at::vec::vec_reduce_all<float>(
+                                  [](const Vec& a, const Vec& b) { return at::vec::clamp_max(a, b); }, vmin)));
+      p.max = std::max(p.max, static_cast<double>(at::vec::vec_reduce_all<float>(
+                                  [](const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }, vmax)));
+      int64_t zeros = 0;
+      for (int i = 0; i < n; ++i) zeros -= lzero[i];
+      p.zero += zeros;
+      return true;
+    }
+#endif
+    acc_t lmin[n], lmax[n], lsq[n];
     vmin.store(lmin);
     vmax.store(lmax);
     sumsq.store(lsq);
-    neg_zeros.store(lzero);
     for (int i = 0; i < n; ++i) {
       if (!std::isfinite(lsq[i])) return false;
       p.min = std::min(p.min, static_cast<double>(lmin[i]));
@@ -246,31 +265,35 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     constexpr int64_t kUnroll = 4;
     constexpr int64_t kStep = kUnroll * In::size();
     VecState<acc_t> states[kUnroll];
-    const int64_t vec_end = begin + (end - begin) / kStep * kStep;
-    for (int64_t i = begin; i < vec_end; i += kStep) {
-      for (int64_t u = 0; u < kUnroll; ++u) {
-        const scalar_t* src = data + i + u * In::size();
+    auto add = [&](VecState<acc_t>& state, const scalar_t* src) {
 #if defined(CPU_CAPABILITY_AVX2)
-        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
-          // instructions. The lanes come out permuted, which no field depends on.
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-          states[u].add(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
-          states[u].add(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
-          continue;
-        }
-#endif
-        const In v = In::loadu(src);
-        if constexpr (std::is_same_v<scalar_t, acc_t>) {
-          states[u].add(v);
-        } else {
-          auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
-          states[u].add(lo);
-          states[u].add(hi);
-        }
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
+        // instructions. The lanes come out permuted, which no field depends on.
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        state.add(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
+        state.add(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+        return;
       }
+#endif
+      const In v = In::loadu(src);
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        state.add(v);
+      } else {
+        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+        state.add(lo);
+        state.add(hi);
+      }
+    };
+    const int64_t unrolled_end = begin + (end - begin) / kStep * kStep;
+    for (int64_t i = begin; i < unrolled_end; i += kStep) {
+      for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
     }
-    if (vec_end > begin) {  // (a tensor shorter than one step has no vector part to reduce)
+    // The whole vectors left (all of a tensor shorter than one unrolled step: a bias, an
+    // activation of a small layer) go into the first state; only the last partial vector is scalar.
+    const int64_t vec_end = begin + (end - begin) / In::size() * In::size();
+    for (int64_t i = unrolled_end; i < vec_end; i += In::size()) add(states[0], data + i);
+    if (vec_end > begin) {  // (a tensor shorter than one vector has no vector part to reduce)
       Partial<acc_t> vec_part;
       if (VecState<acc_t>::flush(states, vec_part)) {
         p.merge(vec_part);

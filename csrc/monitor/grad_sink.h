@@ -12,12 +12,13 @@
 //   sink.generation                 hooks of an older generation do nothing
 //   tap(tensor, sink, index)        hook tensor.grad_fn (no-op for a leaf); index: the output's slot
 //   len(sink)                       gradients received since the last take()
-//   sink.take() -> (indices, records, meta)
-//       indices: slot index per gradient, in the order autograd produced them; records: list of
-//       [k, RECORD_SIZE] tensors (in order); meta: a GradMeta, per gradient k: meta.stale(k) (changed
-//       in place before it was summarized), meta.dtype(k), meta.shape(k), and meta.dtype_maxima()
-//       (float64 tensor: each gradient's dtype's largest finite value). Python objects are made
-//       only for the gradients asked about (a non-finite one), not for the hundreds a step has.
+//   sink.take() -> (records, meta)
+//       records: list of [k, RECORD_SIZE] tensors (in order); meta: a GradMeta, per gradient k, in
+//       the order autograd produced them: meta.index(k) (the slot index of the output it flowed
+//       into), meta.stale(k) (changed in place before it was summarized), meta.dtype(k),
+//       meta.shape(k), and meta.dtype_maxima() (float64 tensor: each gradient's dtype's largest
+//       finite value); len(meta) gradients. Python objects are made only for the gradients asked
+//       about (a non-finite one), not for the hundreds a step has.
 #pragma once
 
 #include <torch/extension.h>
@@ -89,6 +90,7 @@ inline double dtype_max(at::ScalarType dtype) {
 
 // What a read needs to know of the gradients a GradSink received, kept in C++ until asked.
 struct GradMeta {
+  std::vector<int64_t> index;
   std::vector<bool> stale;
   std::vector<at::ScalarType> dtypes;
   std::vector<c10::SmallVector<int64_t, 5>> shapes;
@@ -97,6 +99,11 @@ struct GradMeta {
 
   void check(int64_t k) const {
     TORCH_CHECK(k >= 0 && k < size(), "nanscan: no gradient ", k, " in this read (", size(), ")");
+  }
+
+  int64_t index_of(int64_t k) const {
+    check(k);
+    return index[k];
   }
 
   bool is_stale(int64_t k) const {
@@ -180,25 +187,27 @@ class GradSink {
   }
 
   py::tuple take() {
-    std::vector<int64_t> index;
     std::vector<at::Tensor> records;
     auto meta = std::make_shared<GradMeta>();
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       flush_locked();
-      index.swap(index_);
+      meta->index.swap(index_);
       records.swap(records_);
       meta->stale.swap(stale_);
       meta->dtypes.swap(dtypes_);
       meta->shapes.swap(shapes_);
       // (The next read receives about as many: no reallocations as they arrive.)
-      index_.reserve(index.size());
-      stale_.reserve(index.size());
-      dtypes_.reserve(index.size());
-      shapes_.reserve(index.size());
+      const size_t n = meta->index.size();
+      index_.reserve(n);
+      stale_.reserve(n);
+      dtypes_.reserve(n);
+      shapes_.reserve(n);
     }
-    return py::make_tuple(py::cast(index), py::cast(records), py::cast(meta));
+    py::list blocks;
+    for (auto& r : records) blocks.append(py::cast(std::move(r)));
+    return py::make_tuple(std::move(blocks), py::cast(meta));
   }
 
  private:

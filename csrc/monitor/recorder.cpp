@@ -26,7 +26,7 @@
 //       [k, RECORD_SIZE] blocks in order (a read stacks them once, with its other records), and
 //       the Rows of the window
 //   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
-//       consumers, grad, stale, inputs_changed); frame(f) -> (info, outputs); set_grads(entries, start);
+//       consumers, grad, stale, inputs_changed); frame(f) -> (info, outputs); set_grads(grad_meta, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
 //   TensorSet(tensors, summarize=None)  tensors held for the per-step checks (the parameters)
@@ -182,7 +182,9 @@ struct Rows {
     return out;
   }
 
-  void set_grads(const std::vector<int64_t>& entries, int64_t start) {
+  // The gradients a GradSink took (meta) are slots start, start + 1, ...: each output row learns its own.
+  void set_grads(const GradMeta& meta, int64_t start) {
+    const auto& entries = meta.index;
     for (size_t k = 0; k < entries.size(); ++k) {
       int64_t e = entries[k];
       if (e >= 0 && e < static_cast<int64_t>(row_of.size()) && row_of[e] >= 0) {
@@ -330,12 +332,7 @@ class Window {
   void remember(const at::Tensor& t, int32_t entry) {
     Known known{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
                 t.is_inference() ? -1 : static_cast<int64_t>(t._version()), entry};
-    auto found = known_.find(t.unsafeGetTensorImpl());
-    if (found != known_.end()) {
-      found->second = std::move(known);
-    } else {
-      known_.emplace(t.unsafeGetTensorImpl(), std::move(known));
-    }
+    known_.insert_or_assign(t.unsafeGetTensorImpl(), std::move(known));
   }
 
  private:
@@ -413,31 +410,37 @@ std::string indexed(const std::string& prefix, Py_ssize_t i) {
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
 void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 0) {
-  if (THPVariable_Check(value)) {
-    if (!THPVariable_CheckExact(value)) {
-      // A tensor subclass. A DTensor (tensor parallelism hands modules DTensor inputs and may
-      // return DTensor outputs) is recorded by its local shard, like the monitor's parameters:
-      // the kernels take plain tensors, and a rank's record describes what it holds.
-      PyObject* local = PyObject_GetAttrString(value, "_local_tensor");
-      if (local != nullptr && THPVariable_Check(local)) {
-        at::Tensor t = THPVariable_Unpack(local);
-        Py_DECREF(local);
-        if (t.is_floating_point() || t.is_complex()) {
-          out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
-        }
-        return;
-      }
-      Py_XDECREF(local);
-      PyErr_Clear();
-    }
+  // (Exact types first: THPVariable_Check of a non-tensor is an isinstance() through torch.Tensor's
+  // metaclass, a few hundred instructions, and every hook call walks an args tuple.)
+  if (THPVariable_CheckExact(value)) {
     const at::Tensor& t = THPVariable_Unpack(value);
     if (t.is_floating_point() || t.is_complex()) out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
     return;
   }
-  if (depth > 32 || value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
+  if (value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
       PyBytes_Check(value)) {
     return;
   }
+  if (!PyTuple_Check(value) && !PyList_Check(value) && !PyDict_Check(value) && THPVariable_Check(value)) {
+    // A tensor subclass. A DTensor (tensor parallelism hands modules DTensor inputs and may
+    // return DTensor outputs) is recorded by its local shard, like the monitor's parameters:
+    // the kernels take plain tensors, and a rank's record describes what it holds.
+    PyObject* local = PyObject_GetAttrString(value, "_local_tensor");
+    if (local != nullptr && THPVariable_Check(local)) {
+      at::Tensor t = THPVariable_Unpack(local);
+      Py_DECREF(local);
+      if (t.is_floating_point() || t.is_complex()) {
+        out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
+      }
+      return;
+    }
+    Py_XDECREF(local);
+    PyErr_Clear();
+    const at::Tensor& t = THPVariable_Unpack(value);
+    if (t.is_floating_point() || t.is_complex()) out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    return;
+  }
+  if (depth > 32) return;
   if (PyTuple_Check(value)) {
     for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(value); i < n; ++i) {
       gather(PyTuple_GET_ITEM(value, i), indexed(prefix, i), out, depth + 1);
@@ -848,6 +851,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &GradSink::size)
       .def("take", &GradSink::take);
   py::class_<GradMeta, std::shared_ptr<GradMeta>>(m, "GradMeta")
+      .def("index", &GradMeta::index_of)
       .def("stale", &GradMeta::is_stale)
       .def("dtype", &GradMeta::dtype)
       .def("shape", &GradMeta::shape)

@@ -591,13 +591,14 @@ class Monitor:
         self._read_this_step = True
         slots, blocks, eager_rows = self.slots.take()  # (blocks: a list of [k, RECORD_SIZE] records)
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
-            indices, records, meta = self.grad_sink.take()
-            if indices:
-                block = GradBlock(self.step_index, slots, indices, meta)
+            records, meta = self.grad_sink.take()
+            n = len(meta)
+            if n:
+                block = GradBlock(self.step_index, slots, meta)
                 block.start = len(slots)
                 if eager_rows is not None:
-                    eager_rows.rows.set_grads(indices, block.start)
-                slots = slots + [block] * len(indices)
+                    eager_rows.rows.set_grads(meta, block.start)
+                slots = slots + [block] * n
                 blocks.extend(records)
         self.slots_generation += 1
         if self.grad_sink is not None:

@@ -96,21 +96,22 @@ class Block:
 class GradBlock(Block):
     """Gradients flowing into module outputs, received by the C++ backward tap
     (``csrc/monitor/grad_sink.h``) and summarized there (in batches; on arrival on the CPU):
-    ``indices[k]`` is the slot (in ``window``) of the output whose gradient row k is; ``meta`` (a
-    ``nanscan._C.GradMeta``) holds each row's dtype, shape and staleness in C++, asked only for a
-    row that is looked at."""
+    ``meta`` (a ``nanscan._C.GradMeta``) holds in C++, per row k, the slot (in ``window``) of the
+    output whose gradient it is (``meta.index(k)``), its dtype, shape and staleness -- asked only
+    for a row that is looked at."""
 
-    def __init__(self, step, window, indices, meta):
+    def __init__(self, step, window, meta):
         super().__init__(step, "backward", "grad", None, None, None)
-        self.window, self.indices, self.meta = window, indices, meta
+        self.window, self.meta = window, meta
 
     def slot(self, index: int) -> Slot:
         k = index - self.start
-        forward = at(self.window, self.indices[k])
         meta = self.meta
+        forward_index = meta.index(k)
+        forward = at(self.window, forward_index)
         slot = Slot(self.step, "backward", "grad", f"{forward.name} (output grad)", meta.dtype(k), meta.shape(k),
                     (), True, forward.owner)
-        slot.grad_of, slot.stale = self.indices[k], meta.stale(k)
+        slot.grad_of, slot.stale = forward_index, meta.stale(k)
         return slot
 
 
