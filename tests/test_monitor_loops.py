@@ -681,3 +681,39 @@ def test_a_module_that_declares_it_works_in_place_keeps_produced():
         opt.step()
     inc = mon.incidents[0]
     assert (inc.step, inc.phase, inc.kind, inc.name, inc.produced) == (0, "forward", "activation", "1", True)
+
+
+class TwoInputs(nn.Module):
+    """Takes its inputs in a list, a dict and a tensor subclass: the hooks' walk must find each."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, pair, extra):
+        return self.a(pair[0]) + self.b(pair[1]) + extra["bias"]
+
+
+@pytest.mark.parametrize("where", ["list", "dict", "subclass"])
+def test_batch_inputs_in_lists_dicts_and_tensor_subclasses_are_recorded_with_their_labels(where):
+    # The C++ walk (gather in csrc/monitor/recorder.cpp) tests plain tensors first, then containers,
+    # and only then tensor subclasses (nn.Parameter here): a NaN in any of them is the batch's,
+    # named where it sat, and the first layer that took it only propagated it.
+    torch.manual_seed(0)
+    model = TwoInputs()
+    mon = nanscan.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    pair = [torch.randn(2, 4), torch.randn(2, 4)]
+    extra = {"bias": torch.zeros(4)}
+    if where == "list":
+        pair[1][0, 0] = float("nan")
+    elif where == "dict":
+        extra["bias"][1] = float("nan")
+    else:
+        pair[0] = nn.Parameter(torch.full((2, 4), float("nan")), requires_grad=False)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        model(pair, extra).sum().backward()
+        mon.optimizer.step()
+    inc = err.value.incident
+    label = {"list": "(model).input[0][1]", "dict": "(model).input[1].bias", "subclass": "(model).input[0][0]"}[where]
+    assert inc.phase == "forward" and inc.produced is False
+    assert label in inc.inputs, (inc.name, inc.inputs)

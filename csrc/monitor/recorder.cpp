@@ -409,7 +409,8 @@ std::string indexed(const std::string& prefix, Py_ssize_t i) {
 
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
-void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 0) {
+// Without `labels`, every label is left empty (no string is built: most calls need none).
+void gather(PyObject* value, const std::string& prefix, Found& out, bool labels = true, int depth = 0) {
   // (Exact types first: THPVariable_Check of a non-tensor is an isinstance() through torch.Tensor's
   // metaclass, a few hundred instructions, and every hook call walks an args tuple.)
   if (THPVariable_CheckExact(value)) {
@@ -443,13 +444,13 @@ void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 
   if (depth > 32) return;
   if (PyTuple_Check(value)) {
     for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(value); i < n; ++i) {
-      gather(PyTuple_GET_ITEM(value, i), indexed(prefix, i), out, depth + 1);
+      gather(PyTuple_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1);
     }
     return;
   }
   if (PyList_Check(value)) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) {
-      gather(PyList_GET_ITEM(value, i), indexed(prefix, i), out, depth + 1);
+      gather(PyList_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1);
     }
     return;
   }
@@ -457,7 +458,7 @@ void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 
     PyObject *key, *item;
     Py_ssize_t pos = 0;
     while (PyDict_Next(value, &pos, &key, &item)) {
-      gather(item, prefix + "." + py::str(key).cast<std::string>(), out, depth + 1);
+      gather(item, labels ? prefix + "." + py::str(key).cast<std::string>() : std::string(), out, labels, depth + 1);
     }
     return;
   }
@@ -467,7 +468,8 @@ void gather(PyObject* value, const std::string& prefix, Found& out, int depth = 
     for (py::handle kv : items) {
       py::tuple pair = py::reinterpret_borrow<py::tuple>(kv);
       py::object key = pair[0], item = pair[1];
-      gather(item.ptr(), prefix + "." + py::str(key).cast<std::string>(), out, depth + 1);
+      gather(item.ptr(), labels ? prefix + "." + py::str(key).cast<std::string>() : std::string(), out, labels,
+             depth + 1);
     }
   }
 }
@@ -519,17 +521,19 @@ class Hooks {
       return;
     }
     Window& w = window();
+    const StackEntry* parent =
+        (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
+         stack_.back().generation == w.generation) ? &stack_.back() : nullptr;
+    // Only the batch rows (inputs with no parent call) keep a label: no strings built otherwise.
+    static const std::string kInput = "input";
+    const bool labels = parent == nullptr;
     Found found;
-    gather(args.ptr(), "input", found);
+    gather(args.ptr(), kInput, found, labels);
     if (kwargs.ptr() != nullptr && kwargs.ptr() != Py_None && PyDict_Size(kwargs.ptr()) > 0) {
-      gather(kwargs.ptr(), "input", found);
+      gather(kwargs.ptr(), kInput, found, labels);
     }
     const int32_t fid = static_cast<int32_t>(w.rows_.frames.size());
     w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}, {}, false});
-    const StackEntry* parent =
-        (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
-         stack_.back().generation == w.generation) ? &stack_.back()
-                                                                                                   : nullptr;
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
@@ -598,7 +602,8 @@ class Hooks {
       }
     }
     Found found;
-    gather(output.ptr(), "", found);
+    static const std::string kOutputs;
+    gather(output.ptr(), kOutputs, found);
     const bool candidate = !(info.is_root && root_late);
     const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
     c10::SmallVector<int32_t, 2> outputs;
