@@ -186,6 +186,34 @@ def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
     assert calls == [3]
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3),  # small: its values copied on arrival, summarized when the rows are sealed
+    lambda: torch.tensor([1.0, float("nan"), -float("inf"), 0.0, -0.0, 3e38, 3e38]),  # special values, FP32 overflow
+    lambda: torch.randn(5).to(torch.bfloat16),
+    lambda: torch.arange(6, dtype=torch.int32),
+    lambda: torch.empty(0),
+    lambda: torch.randn(64, 64),  # 16 KiB: summarized on arrival
+    lambda: torch.randn(4, 4, dtype=torch.float64).t(),  # not contiguous: summarized on arrival
+    lambda: -torch.randn(4),  # (a plain tensor; a lazily negated view is summarized on arrival)
+], ids=["small", "special", "bf16", "int32", "empty", "large", "transposed", "negated"])
+def test_a_cpu_record_made_on_arrival_is_the_value_then_bit_for_bit(make):
+    # Small CPU tensors are copied when recorded and summarized with the other copies when the
+    # window is taken (csrc/monitor/grad_sink.h: HostRows); others are summarized at once. Either
+    # way the record is summarize()'s of the value as it was when recorded, to the bit.
+    import types
+
+    from nanscan import _C
+
+    x = make()
+    want = torch.ops.nanscan.summarize(x.clone())
+    w = _C.Window(object(), lambda rows: None, None, None, 1, 64, 1 << 20)
+    w.add(x, types.SimpleNamespace(stale=False))
+    if x.numel():
+        x.fill_(7)  # changed after it was recorded
+    got = torch.cat(w.take()[1])
+    assert got.shape == (1, 8) and torch.equal(got[0], want), (got[0], want)
+
+
 def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later_change_stale():
     # The monitor's read window (csrc/monitor/recorder.cpp): with the default kernels a CPU tensor
     # is summarized when it is recorded, so changing it afterwards changes nothing; with another

@@ -403,28 +403,34 @@ void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* 
 
 // One tensor's record, its chunks scanned and merged in order on this thread: the serial path (the
 // threaded one below merges the same chunks in the same order, so the bits do not depend on the path).
-void summarize_serial(const at::Tensor& t, double* out) {
-  const int64_t n = t.numel();
-  if (n <= kChunk && t.is_contiguous()) {
-    // One contiguous chunk -- nearly every tensor a monitor summarizes: the same scan as below (the
-    // same bits) without the chunk machinery, which cost more than scanning a small tensor. One
-    // chunk's merge is the chunk's partial, its FP32 sum rounded to FP32 (exact: summed in FP32).
+// The record of n <= kChunk contiguous elements of `dtype` at `data`: one chunk, so the chunk's
+// partial, its FP32 sum rounded to FP32 (exact: summed in FP32).
+void summarize_contiguous_chunk(const void* data, int64_t n, at::ScalarType dtype, double* out) {
 #define NANSCAN_CPU_CASE(enum_type, cpp_type)                                                 \
   case at::enum_type: {                                                                       \
     Partial<cmp_t<cpp_type>> p;                                                               \
-    scan_contiguous(static_cast<const cpp_type*>(t.const_data_ptr()), 0, n, p);               \
+    scan_contiguous(static_cast<const cpp_type*>(data), 0, n, p);                             \
     Partial<double> total;                                                                    \
     total.merge({p.nan, p.posinf, p.neginf, p.zero, p.min, p.max, static_cast<double>(p.sumsq), p.first}); \
     if (sums_in_fp32(at::enum_type)) total.sumsq = static_cast<float>(total.sumsq);           \
     total.write(out);                                                                         \
     return;                                                                                   \
   }
-    switch (t.scalar_type()) {
-      NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CPU_CASE)
-      default:
-        TORCH_CHECK_TYPE(false, "nanscan: unexpected dtype ", t.scalar_type(), " (", kSupportedText, ")");
-    }
+  switch (dtype) {
+    NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CPU_CASE)
+    default:
+      TORCH_CHECK_TYPE(false, "nanscan: unexpected dtype ", dtype, " (", kSupportedText, ")");
+  }
 #undef NANSCAN_CPU_CASE
+}
+
+void summarize_serial(const at::Tensor& t, double* out) {
+  const int64_t n = t.numel();
+  if (n <= kChunk && t.is_contiguous()) {
+    // One contiguous chunk -- nearly every tensor a monitor summarizes: the same scan as below (the
+    // same bits) without the chunk machinery, which cost more than scanning a small tensor.
+    summarize_contiguous_chunk(t.const_data_ptr(), n, t.scalar_type(), out);
+    return;
   }
   const Geometry g(t);
   Partial<double> part;
@@ -505,6 +511,14 @@ at::Tensor summarize_many_cpu(at::TensorList xs) {
 }
 
 }  // namespace
+
+// The record of a contiguous real tensor's copy (n elements of `dtype` at `data`, n <= 65536): what
+// summarize_cpu computes for the tensor (the same scan, the same bits), for records whose values
+// were copied on arrival and are summarized later, in one pass (grad_sink.h: HostRows).
+void summarize_cpu_copy(const void* data, int64_t n, at::ScalarType dtype, double* out) {
+  TORCH_CHECK(n <= kChunk, "nanscan: summarize_cpu_copy takes at most ", kChunk, " elements, got ", n);
+  summarize_contiguous_chunk(data, n, dtype, out);
+}
 
 // One CPU tensor's record into out[0:RECORD_SIZE]: what summarize_cpu computes (the same chunks,
 // the same bits), for the monitor's records made on arrival (csrc/monitor/grad_sink.h).

@@ -25,9 +25,11 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function_hook.h>
 
+#include "../inputs.h"
 #include "../record.h"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -51,21 +53,58 @@ inline bool summarized_on_arrival(const at::Tensor& t, bool default_kernels) {
          !t.key_set().has(c10::DispatchKey::Python);
 }
 
+// csrc/cpu/summarize.cpp: the record of a copy of a contiguous real tensor's values (n elements of
+// `dtype` at `data`, n <= 65536) -- the same scan, the same bits as summarize_cpu_row of the tensor.
+void summarize_cpu_copy(const void* data, int64_t n, at::ScalarType dtype, double* out);
+
 // Records made on arrival, in order, kept as host rows until sealed into one [k, RECORD_SIZE]
 // float64 tensor (at a read, or when a batched record must come after them).
+//
+// A small tensor (kCopyBytes or less, contiguous, real) is copied on arrival and summarized when
+// the rows are sealed, all copies in one pass: the record is still of the value as it was when
+// received (never stale, nothing kept alive), but the kernel's code runs once per read instead of
+// once per module call, where it would be fetched from beyond the L1 instruction cache every time
+// (the host-bound step is bound by instruction fetch: benchmarks/host_instructions.py --cache).
 struct HostRows {
+  static constexpr size_t kCopyBytes = 1024;
+
+  struct Copied {
+    size_t row, offset;
+    int64_t n;
+    at::ScalarType dtype;
+  };
+
   std::vector<double> data;
+  std::vector<uint8_t> copies;  // the copied values, each at a 64-byte aligned offset
+  std::vector<Copied> copied;
 
   bool empty() const { return data.empty(); }
 
   void add(const at::Tensor& t) {
     const size_t at = data.size();
     data.resize(at + kRecordSize);
+    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    if (bytes <= kCopyBytes && t.is_contiguous() && !t.is_complex() && !t.is_neg() &&
+        is_supported_real_dtype(t.scalar_type())) {
+      const size_t offset = (copies.size() + 63) & ~size_t{63};
+      copies.resize(offset + bytes);
+      if (bytes > 0) std::memcpy(copies.data() + offset, t.const_data_ptr(), bytes);
+      copied.push_back({at, offset, t.numel(), t.scalar_type()});
+      return;
+    }
     summarize_cpu_row(t, data.data() + at);
+  }
+
+  // The records of the copies, in one pass.
+  void summarize_copies() {
+    for (const Copied& c : copied) summarize_cpu_copy(copies.data() + c.offset, c.n, c.dtype, data.data() + c.row);
+    copied.clear();
+    copies.clear();  // (keeps the capacity for the next window)
   }
 
   void seal_into(std::vector<at::Tensor>& blocks) {
     if (data.empty()) return;
+    summarize_copies();
     at::Tensor rows = at::empty({static_cast<int64_t>(data.size() / kRecordSize), kRecordSize}, at::kDouble);
     std::copy(data.begin(), data.end(), rows.mutable_data_ptr<double>());
     blocks.push_back(std::move(rows));
