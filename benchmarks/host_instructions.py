@@ -20,7 +20,8 @@ instruction-cache misses per module. Why: this step is bound by instruction fetc
 misses L1i on ~4% of its instructions (Python, the module call path, the dispatcher and autograd
 do not fit in 32 KiB) -- so code the monitor runs per module call costs more in time than its
 instruction count says: on 2026-12-01 the watched step was 1.27x the floor in instructions and
-1.93x in L1i misses (910 against 472 per module), which is about its ratio in time.
+1.93x in L1i misses (910 against 472 per module), about its ratio in time; 1.65x (780) once small
+CPU records were summarized per read instead of per module call.
 
 Needs ``valgrind`` on the PATH (about 2.5 minutes per variant, most of it importing torch under
 valgrind); not part of ``make test``.

@@ -20,9 +20,10 @@ with its later value. Its version counter says so; the slot is then marked ``sta
 cannot tell what it held when it was produced, and says so), and the module it came from is
 recorded without batching from then on.
 
-On the CPU with the default kernels there is no batch: a tensor is summarized the moment it is
-recorded (``summarized_on_arrival`` in ``csrc/monitor/grad_sink.h``), so its record is never stale
-and no tensor is kept alive for a batch.
+On the CPU with the default kernels there is no batch: a tensor is recorded as it is the moment it
+arrives (``summarized_on_arrival`` in ``csrc/monitor/grad_sink.h``: a small one copied and
+summarized with the other copies when the window is read, a larger one summarized at once), so its
+record is never stale and no tensor is kept alive for a batch.
 """
 from __future__ import annotations
 
