@@ -717,3 +717,20 @@ def test_batch_inputs_in_lists_dicts_and_tensor_subclasses_are_recorded_with_the
     label = {"list": "(model).input[0][1]", "dict": "(model).input[1].bias", "subclass": "(model).input[0][0]"}[where]
     assert inc.phase == "forward" and inc.produced is False
     assert label in inc.inputs, (inc.name, inc.inputs)
+
+
+def test_a_nested_tensor_output_is_not_recorded_and_never_stops_the_forward():
+    # nn.TransformerEncoder's fast path returns nested tensors in eval; the kernels do not take
+    # them (no sizes), so the hooks leave them out -- before, the eval forward raised inside the hook.
+    class ToNested(nn.Module):
+        def forward(self, x):
+            return torch.nested.nested_tensor([x[0], x[1, :2]])
+
+    model = nn.Sequential(nn.Linear(4, 4), ToNested())
+    mon = nanscan.watch(model, on_nonfinite="record")
+    model.eval()
+    with torch.no_grad(), mon:
+        model[0].bias.fill_(float("nan"))
+        out = model(torch.randn(2, 4))
+    assert out.is_nested
+    assert [(i.phase, i.name) for i in mon.incidents] == [("eval", "0")]  # the Linear before it is still checked

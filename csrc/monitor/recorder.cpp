@@ -415,7 +415,11 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
   // metaclass, a few hundred instructions, and every hook call walks an args tuple.)
   if (THPVariable_CheckExact(value)) {
     const at::Tensor& t = THPVariable_Unpack(value);
-    if (t.is_floating_point() || t.is_complex()) out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    // (A nested tensor -- nn.TransformerEncoder's fast path in eval -- has no sizes and the kernels
+    // do not take it: it is not recorded, and the call goes on.)
+    if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
+      out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    }
     return;
   }
   if (value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
@@ -430,7 +434,7 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     if (local != nullptr && THPVariable_Check(local)) {
       at::Tensor t = THPVariable_Unpack(local);
       Py_DECREF(local);
-      if (t.is_floating_point() || t.is_complex()) {
+      if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
         out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
       }
       return;
@@ -438,7 +442,9 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     Py_XDECREF(local);
     PyErr_Clear();
     const at::Tensor& t = THPVariable_Unpack(value);
-    if (t.is_floating_point() || t.is_complex()) out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
+      out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    }
     return;
   }
   if (depth > 32) return;
