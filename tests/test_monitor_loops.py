@@ -734,3 +734,23 @@ def test_a_nested_tensor_output_is_not_recorded_and_never_stops_the_forward():
         out = model(torch.randn(2, 4))
     assert out.is_nested
     assert [(i.phase, i.name) for i in mon.incidents] == [("eval", "0")]  # the Linear before it is still checked
+
+
+def test_a_module_fed_a_nested_tensor_that_nanscan_could_not_record_gets_cannot_tell():
+    # The nested tensor is left out of the records, so a NaN it carried is unknown to attribution:
+    # the module that took it must not be named as the one that produced the NaN.
+    class ToNested(nn.Module):
+        def forward(self, x):
+            return torch.nested.nested_tensor([x[0] * float("nan"), x[1, :2]])
+
+    class ToPadded(nn.Module):
+        def forward(self, x):
+            return torch.nested.to_padded_tensor(x, 0.0)
+
+    model = nn.Sequential(nn.Linear(4, 4), ToNested(), ToPadded())
+    mon = nanscan.watch(model, on_nonfinite="record")
+    model.eval()
+    with torch.no_grad(), mon:
+        model(torch.randn(2, 4))
+    inc = mon.incidents[0]
+    assert (inc.phase, inc.name, inc.produced) == ("eval", "2", None)

@@ -390,7 +390,9 @@ struct FoundTensor {
   std::string label;
   c10::MaybeOwned<at::Tensor> tensor;
 };
-using Found = c10::SmallVector<FoundTensor, 4>;  // (inline: one per hook call)
+struct Found : c10::SmallVector<FoundTensor, 4> {  // (inline: one per hook call)
+  bool unrecorded = false;  // a floating tensor was left out (nested): what it held is unknown
+};
 
 // prefix + "[i]", without the temporaries of string concatenation (one per tuple item per call).
 std::string indexed(const std::string& prefix, Py_ssize_t i) {
@@ -419,6 +421,8 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     // do not take it: it is not recorded, and the call goes on.)
     if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
       out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    } else if (t.is_nested()) {
+      out.unrecorded = true;
     }
     return;
   }
@@ -436,6 +440,8 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
       Py_DECREF(local);
       if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
         out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
+      } else if (t.is_nested()) {
+        out.unrecorded = true;
       }
       return;
     }
@@ -444,6 +450,8 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     const at::Tensor& t = THPVariable_Unpack(value);
     if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
       out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
+    } else if (t.is_nested()) {
+      out.unrecorded = true;
     }
     return;
   }
@@ -539,7 +547,8 @@ class Hooks {
       gather(kwargs.ptr(), kInput, found, labels);
     }
     const int32_t fid = static_cast<int32_t>(w.rows_.frames.size());
-    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}, {}, false});
+    // An input that could not be recorded (nested): what the call computed from is unknown.
+    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}, {}, found.unrecorded});
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
