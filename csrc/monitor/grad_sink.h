@@ -37,6 +37,13 @@
 
 namespace nanscan {
 
+// The tensor's version counter, -1 for an inference tensor (it has none). The same value as
+// TensorBase::_version(), read inline: that one is an out-of-line call through the autograd
+// VariableHooks, made several times per recorded tensor on the hooks' per-call path.
+inline int64_t version_of(const at::TensorBase& t) {
+  return t.is_inference() ? -1 : static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+
 // csrc/cpu/summarize.cpp: the record of one CPU tensor, written to out[0:RECORD_SIZE] -- the code
 // the nanscan::summarize CPU kernel runs, without a dispatcher call or an output tensor.
 void summarize_cpu_row(const at::Tensor& x, double* out);
@@ -211,7 +218,7 @@ class GradSink {
     host_.seal_into(records_);  // (gradients summarized on arrival before this one: their records come first)
     pending_index_.push_back(index);
     pending_.push_back(grad);
-    pending_version_.push_back(grad.is_inference() ? -1 : static_cast<int64_t>(grad._version()));
+    pending_version_.push_back(version_of(grad));
     pending_bytes_ += static_cast<int64_t>(grad.numel()) * static_cast<int64_t>(grad.element_size());
     // Bounded: at most `batch` gradients or `batch_bytes` of them are kept alive here.
     if (static_cast<int64_t>(pending_.size()) >= batch_ || pending_bytes_ >= batch_bytes_) flush_pending();
@@ -259,7 +266,7 @@ class GradSink {
     if (pending_.empty()) return;
     for (size_t k = 0; k < pending_.size(); ++k) {
       const auto& g = pending_[k];
-      stale_.push_back(pending_version_[k] >= 0 && static_cast<int64_t>(g._version()) != pending_version_[k]);
+      stale_.push_back(pending_version_[k] >= 0 && version_of(g) != pending_version_[k]);
       dtypes_.push_back(g.scalar_type());
       shapes_.emplace_back(g.sizes().begin(), g.sizes().end());
     }

@@ -67,6 +67,12 @@ enum Phase : uint8_t { kNone = 0, kForward = 1, kEval = 2 };
 
 // One record made by the hooks. Its inputs are those of `frame` (a module output, the loss: the
 // module's own call; a body value: the running parent's call); a batch row has none.
+//
+// Rows and frames are plain structs made per module call; what varies in length (a shape, a label,
+// consumers, a frame's inputs and outputs) lives in flat arrays of their Rows. Why: with inline
+// vectors and a string per row, constructing, moving and destroying them was a few hundred
+// instructions per call, and on the host-bound step every instruction run once per call is also
+// fetched from beyond the L1 instruction cache (benchmarks/host_instructions.py --cache).
 struct Row {
   uint8_t kind = kOutput;
   uint8_t phase = kForward;
@@ -75,27 +81,28 @@ struct Row {
   int32_t info = -1;      // the module named (and owner): a body value's parent, the batch's first consumer
   int32_t frame = -1;
   int32_t grad = -1;      // entry of the gradient flowing into it, once read
-  int64_t step = 0;
+  int32_t label = -1;     // Rows::labels index of where in the outputs / inputs ("[1]", ".loss", "input[0]"); -1: ""
+  int32_t dims_at = 0;    // the shape: Rows::dims[dims_at, dims_at + ndim)
+  int32_t ndim = 0;
+  int32_t first_consumer = -1, last_consumer = -1;  // Rows::consumers list: the frames that took it as an input
   at::ScalarType dtype = at::kFloat;
-  // (Inline storage for the common sizes: a Row and a Frame are made per module call, and heap
-  // vectors were a malloc each.)
-  c10::SmallVector<int64_t, 5> shape;
-  std::string label;  // where in the outputs / inputs: "", "[1]", ".loss", "input[0]" ...
-  c10::SmallVector<int32_t, 2> consumers;  // frames that took it as an input
+  int64_t step = 0;
 };
 
 struct Frame {
   int32_t info;
-  c10::SmallVector<int32_t, 2> inputs, outputs;
-  // Each input's tensor and version when the call began (-1: an inference tensor), and whether the
-  // call changed one in place: what its outputs were computed from is then unknown, although the
-  // input's own record (made on arrival, before the call) is right.
-  c10::SmallVector<std::pair<const c10::TensorImpl*, int64_t>, 2> input_versions;
+  int32_t inputs_at = 0, n_inputs = 0;    // Rows::frame_inputs[inputs_at, inputs_at + n_inputs)
+  int32_t outputs_at = 0, n_outputs = 0;  // Rows::frame_outputs[outputs_at, outputs_at + n_outputs)
+  // Whether the call changed an input in place (or took one that could not be recorded): what its
+  // outputs were computed from is then unknown, although the input's own record (made on
+  // arrival, before the call) is right.
   bool inputs_changed = false;
 };
 
 struct Known {
-  c10::weak_intrusive_ptr<c10::TensorImpl> ref;  // (keeps the address from being reused while held)
+  // (Keeps the address from being reused while held. Its null type is the tensor's own, so it is
+  // made from the tensor's pointer without a strong reference, which would touch the PyObject.)
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> ref;
   int64_t version;  // -1: an inference tensor (no version counter)
   int32_t entry;
 };
@@ -115,10 +122,62 @@ py::tuple int_tuple(const Ints& xs) {
 
 // The rows of one read window, kept for decoding after the window was taken.
 struct Rows {
+  struct Consumer {
+    int32_t frame, next;  // next: the row's next consumer, -1 at the end
+  };
+
   std::vector<Row> rows;
   std::vector<Frame> frames;
   std::vector<int32_t> row_of;      // entry -> row, -1 for an entry that is a Python object
   std::vector<int32_t> last_frame;  // info -> frame of its last call in the window, -1 if none
+  std::vector<int64_t> dims;
+  std::vector<std::string> labels;
+  std::vector<Consumer> consumers;
+  std::vector<int32_t> frame_inputs, frame_outputs;
+
+  void set_shape(Row& r, c10::IntArrayRef sizes) {
+    r.dims_at = static_cast<int32_t>(dims.size());
+    r.ndim = static_cast<int32_t>(sizes.size());
+    dims.insert(dims.end(), sizes.begin(), sizes.end());
+  }
+
+  void set_label(Row& r, std::string&& label) {
+    if (label.empty()) return;
+    r.label = static_cast<int32_t>(labels.size());
+    labels.push_back(std::move(label));
+  }
+
+  void add_consumer(Row& r, int32_t frame) {
+    const int32_t at = static_cast<int32_t>(consumers.size());
+    consumers.push_back({frame, -1});
+    if (r.last_consumer >= 0) {
+      consumers[r.last_consumer].next = at;
+    } else {
+      r.first_consumer = at;
+    }
+    r.last_consumer = at;
+  }
+
+  c10::ArrayRef<int32_t> inputs_of(const Frame& f) const {
+    return c10::ArrayRef<int32_t>(frame_inputs.data() + f.inputs_at, f.n_inputs);
+  }
+
+  c10::ArrayRef<int32_t> outputs_of(const Frame& f) const {
+    return c10::ArrayRef<int32_t>(frame_outputs.data() + f.outputs_at, f.n_outputs);
+  }
+
+  // Empty, keeping the capacity of what the last window recorded (most windows record about as
+  // much: no reallocation as they grow).
+  void reserve_like(const Rows& last, size_t n_infos) {
+    last_frame.assign(n_infos, -1);
+    rows.reserve(last.rows.size());
+    row_of.reserve(last.row_of.size());
+    frames.reserve(last.frames.size());
+    dims.reserve(last.dims.size());
+    consumers.reserve(last.consumers.size());
+    frame_inputs.reserve(last.frame_inputs.size());
+    frame_outputs.reserve(last.frame_outputs.size());
+  }
 
   const Row& row_at(int64_t entry) const {
     TORCH_CHECK(entry >= 0 && entry < static_cast<int64_t>(row_of.size()) && row_of[entry] >= 0,
@@ -131,25 +190,27 @@ struct Rows {
     std::vector<int32_t> inputs;
     if (r.frame >= 0) {
       const Frame& f = frames[r.frame];
-      inputs.assign(f.inputs.begin(), f.inputs.end());
+      auto in = inputs_of(f);
+      inputs.assign(in.begin(), in.end());
       if (r.kind == kLoss) {  // the model's loss: from its inputs and its other outputs
-        for (int32_t o : f.outputs) {
+        for (int32_t o : outputs_of(f)) {
           if (o != entry) inputs.push_back(o);
         }
       }
     }
-    py::list consumers;
-    for (int32_t c : r.consumers) consumers.append(c);
-    return py::make_tuple(static_cast<int>(r.kind), r.info, r.label, r.step,
+    py::list consumer_frames;
+    for (int32_t c = r.first_consumer; c >= 0; c = consumers[c].next) consumer_frames.append(consumers[c].frame);
+    return py::make_tuple(static_cast<int>(r.kind), r.info, r.label < 0 ? std::string() : labels[r.label], r.step,
                           r.kind == kLoss ? "loss" : phase_name(r.phase), dtype_object(r.dtype),
-                          int_tuple(r.shape), int_tuple(inputs), r.candidate, consumers,
+                          int_tuple(c10::ArrayRef<int64_t>(dims.data() + r.dims_at, r.ndim)), int_tuple(inputs),
+                          r.candidate, consumer_frames,
                           r.grad < 0 ? py::object(py::none()) : py::object(py::int_(r.grad)), r.stale,
                           r.kind != kBatch && r.frame >= 0 && frames[r.frame].inputs_changed);
   }
 
   py::tuple frame(int64_t f) const {
     TORCH_CHECK(f >= 0 && f < static_cast<int64_t>(frames.size()), "nanscan: no frame ", f);
-    return py::make_tuple(frames[f].info, int_tuple(frames[f].outputs));
+    return py::make_tuple(frames[f].info, int_tuple(outputs_of(frames[f])));
   }
 
   std::vector<int64_t> steps() const {  // the steps of the rows, ascending
@@ -199,10 +260,11 @@ struct Rows {
     if (info < 0 || info >= static_cast<int64_t>(last_frame.size()) || last_frame[info] < 0) return py::tuple();
     const Frame& f = frames[last_frame[info]];
     std::vector<int32_t> out;
-    for (int32_t o : f.outputs) {
+    for (int32_t o : outputs_of(f)) {
       if (row_of[o] >= 0 && rows[row_of[o]].grad >= 0) out.push_back(rows[row_of[o]].grad);
     }
-    out.insert(out.end(), f.inputs.begin(), f.inputs.end());
+    auto in = inputs_of(f);
+    out.insert(out.end(), in.begin(), in.end());
     return int_tuple(out);
   }
 };
@@ -232,11 +294,11 @@ class Window {
     return after_add(t, now);
   }
 
-  int64_t add_row(const at::Tensor& t, Row&& row) {
+  int64_t add_row(const at::Tensor& t, const Row& row) {
     const bool now = before_add(t);
     entries_.append(marker_);
     rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
-    rows_.rows.push_back(std::move(row));
+    rows_.rows.push_back(row);
     return after_add(t, now);
   }
 
@@ -257,7 +319,7 @@ class Window {
     int64_t first = size() - static_cast<int64_t>(queued_.size());
     for (size_t k = 0; k < queued_.size(); ++k) {
       // Changed in place since its hook: the record would be of a later value.
-      if (versions_[k] >= 0 && static_cast<int64_t>(queued_[k]._version()) != versions_[k]) {
+      if (versions_[k] >= 0 && version_of(queued_[k]) != versions_[k]) {
         int64_t entry = first + static_cast<int64_t>(k);
         int32_t r = rows_.row_of[entry];
         if (r >= 0) {
@@ -283,11 +345,7 @@ class Window {
     entries_ = py::list();
     auto rows = std::make_shared<Rows>(std::move(rows_));
     rows_ = Rows();
-    rows_.last_frame.assign(n_infos_, -1);
-    // (Most windows record what the last one did: no reallocation -- moving every Row -- as they grow.)
-    rows_.rows.reserve(rows->rows.size());
-    rows_.row_of.reserve(rows->row_of.size());
-    rows_.frames.reserve(rows->frames.size());
+    rows_.reserve_like(*rows, n_infos_);
     known_.clear();
     has_device_ = false;
     ++generation;
@@ -325,13 +383,13 @@ class Window {
       return -1;
     }
     const Known& k = it->second;
-    if (k.version >= 0 && (t.is_inference() || static_cast<int64_t>(t._version()) != k.version)) return -1;
+    if (k.version >= 0 && version_of(t) != k.version) return -1;
     return k.entry;
   }
 
   void remember(const at::Tensor& t, int32_t entry) {
-    Known known{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()),
-                t.is_inference() ? -1 : static_cast<int64_t>(t._version()), entry};
+    Known known{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), version_of(t),
+                entry};
     known_.insert_or_assign(t.unsafeGetTensorImpl(), std::move(known));
   }
 
@@ -363,7 +421,7 @@ class Window {
       flush();
       return entry;
     }
-    versions_.push_back(static_cast<int64_t>(t._version()));
+    versions_.push_back(version_of(t));
     bytes_ += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
     if (static_cast<int64_t>(queued_.size()) >= batch_ || bytes_ >= batch_bytes_) flush();
     return entry;
@@ -498,6 +556,7 @@ struct StackEntry {
   int32_t frame;  // -1: a call that is not recorded
   const Window* window;  // the frame's window, in its generation
   int64_t generation;
+  size_t versions_at;  // its inputs' versions: Hooks::input_versions_[versions_at, ...) up to the next call's
 };
 
 class Hooks {
@@ -523,15 +582,15 @@ class Hooks {
     const Info& info = infos_.at(idx);
     if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;  // a copy of the model
     if (torch::autograd::get_current_graph_task_id() != -1) {  // recomputed inside a backward (checkpointing)
-      stack_.push_back({-1, nullptr, 0});
+      push_unrecorded();
       return;
     }
     if (stack_.empty() || info.is_root) {
-      stack_.clear();  // (frames a forward that raised left behind)
+      clear_stack();  // (frames a forward that raised left behind)
       begin(idx, args, kwargs);
     }
     if (phase_ == kNone) {
-      stack_.push_back({-1, nullptr, 0});
+      push_unrecorded();
       return;
     }
     Window& w = window();
@@ -546,41 +605,45 @@ class Hooks {
     if (kwargs.ptr() != nullptr && kwargs.ptr() != Py_None && PyDict_Size(kwargs.ptr()) > 0) {
       gather(kwargs.ptr(), kInput, found, labels);
     }
-    const int32_t fid = static_cast<int32_t>(w.rows_.frames.size());
+    Rows& rows = w.rows_;
+    const int32_t fid = static_cast<int32_t>(rows.frames.size());
     // An input that could not be recorded (nested): what the call computed from is unknown.
-    w.rows_.frames.push_back(Frame{static_cast<int32_t>(idx), {}, {}, {}, found.unrecorded});
+    rows.frames.push_back(Frame{static_cast<int32_t>(idx)});
+    rows.frames.back().inputs_changed = found.unrecorded;
+    rows.frames.back().inputs_at = static_cast<int32_t>(rows.frame_inputs.size());
+    rows.frames.back().n_inputs = static_cast<int32_t>(found.size());
+    const size_t versions_at = input_versions_.size();
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
       if (entry >= 0) {
-        int32_t r = w.rows_.row_of[entry];
-        if (r >= 0) w.rows_.rows[r].consumers.push_back(fid);
+        int32_t r = rows.row_of[entry];
+        if (r >= 0) rows.add_consumer(rows.rows[r], fid);
       } else {
         Row row;
         row.phase = phase_;
         row.step = step_;
         row.dtype = t.scalar_type();
-        row.shape.assign(t.sizes().begin(), t.sizes().end());
+        rows.set_shape(row, t.sizes());
         if (parent != nullptr) {  // made by an op in the parent's own body
           row.kind = kBody;
           row.frame = parent->frame;
-          row.info = w.rows_.frames[parent->frame].info;
+          row.info = rows.frames[parent->frame].info;
         } else {  // the batch: recorded for attribution only
           row.kind = kBatch;
           row.info = static_cast<int32_t>(idx);
           row.candidate = false;
-          row.label = std::move(f.label);
+          rows.set_label(row, std::move(f.label));
         }
-        row.consumers.push_back(fid);
-        entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
+        rows.add_consumer(row, fid);
+        entry = static_cast<int32_t>(w.add_row(t, row));
         w.remember(t, entry);
       }
-      w.rows_.frames[fid].inputs.push_back(entry);
-      w.rows_.frames[fid].input_versions.emplace_back(
-          t.unsafeGetTensorImpl(), t.is_inference() ? -1 : static_cast<int64_t>(t._version()));
+      rows.frame_inputs.push_back(entry);
+      input_versions_.emplace_back(t.unsafeGetTensorImpl(), version_of(t));
     }
     if (info.inplace && !found.empty()) w.flush();
-    stack_.push_back({fid, &w, w.generation});
+    stack_.push_back({fid, &w, w.generation, versions_at});
   }
 
   // A module with no pre-hook (set_post_only: a torch.nn leaf that does not work in place) has its
@@ -602,32 +665,35 @@ class Hooks {
     if (top.frame < 0) return;  // a call that is not recorded
     Window& w = window();
     if (top.window != &w || top.generation != w.generation || w.rows_.frames[top.frame].info != idx) {
-      stack_.clear();  // out of step: a forward raised and left its frames behind
+      clear_stack();  // out of step: a forward raised and left its frames behind
       return;
     }
+    Rows& rows = w.rows_;
     if (!info.inplace) {  // (the inputs are alive: the call's arguments hold them)
       // A module that declares it works in place (nn.ReLU(inplace=True) ...) computes from what
       // its inputs held when the call began: their records (made before it ran) say that.
-      Frame& frame = w.rows_.frames[top.frame];
-      for (const auto& [impl, version] : frame.input_versions) {
+      for (size_t k = top.versions_at; k < input_versions_.size(); ++k) {
+        const auto& [impl, version] = input_versions_[k];
         if (version >= 0 && static_cast<int64_t>(impl->version_counter().current_version()) != version) {
-          frame.inputs_changed = true;
+          rows.frames[top.frame].inputs_changed = true;
           break;
         }
       }
     }
+    input_versions_.resize(top.versions_at);
     Found found;
     static const std::string kOutputs;
     gather(output.ptr(), kOutputs, found);
     const bool candidate = !(info.is_root && root_late);
     const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
-    c10::SmallVector<int32_t, 2> outputs;
+    // (Nothing else adds frame outputs until this call's are in: they are contiguous.)
+    const int32_t outputs_at = static_cast<int32_t>(rows.frame_outputs.size());
     bool made_loss = false;
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
       if (entry >= 0) {  // an input or a child's output, returned unchanged
-        outputs.push_back(entry);
+        rows.frame_outputs.push_back(entry);
         continue;
       }
       Row row;
@@ -638,32 +704,34 @@ class Hooks {
       row.info = static_cast<int32_t>(idx);
       row.frame = top.frame;
       row.dtype = t.scalar_type();
-      row.shape.assign(t.sizes().begin(), t.sizes().end());
+      rows.set_shape(row, t.sizes());
       if (info.is_root && phase_ == kForward && f.label == ".loss") {  // HF-style: the model returns its loss
         row.kind = kLoss;
         made_loss = true;
       }
-      row.label = std::move(f.label);
-      entry = static_cast<int32_t>(w.add_row(t, std::move(row)));
+      rows.set_label(row, std::move(f.label));
+      entry = static_cast<int32_t>(w.add_row(t, row));
       w.remember(t, entry);
       if (tap_grads) tap(t, sink_, entry);
-      outputs.push_back(entry);
+      rows.frame_outputs.push_back(entry);
     }
-    w.rows_.frames[top.frame].outputs = std::move(outputs);
-    w.rows_.last_frame[idx] = top.frame;
+    Frame& frame = rows.frames[top.frame];
+    frame.outputs_at = outputs_at;
+    frame.n_outputs = static_cast<int32_t>(rows.frame_outputs.size()) - outputs_at;
+    rows.last_frame[idx] = top.frame;
     if (made_loss) owner_.attr("model_loss")(output);
     if ((*eager_)[idx]) w.flush();
     if (stack_.empty()) {  // the forward ends: summarize before the loop can edit its tensors in place
       w.flush();
       if (info.is_root) {
-        const auto& out = w.rows_.frames[top.frame].outputs;
+        auto out = w.rows_.outputs_of(w.rows_.frames[top.frame]);
         root_outputs_.assign(out.begin(), out.end());
       }
       owner_.attr("forward_ends")(idx);
     }
   }
 
-  void reset() { stack_.clear(); }
+  void reset() { clear_stack(); }
 
   void release() { owner_ = py::none(); }
 
@@ -673,6 +741,13 @@ class Hooks {
 
  private:
   Window& window() { return phase_ == kEval ? *eval_ : *forward_; }
+
+  void push_unrecorded() { stack_.push_back({-1, nullptr, 0, input_versions_.size()}); }
+
+  void clear_stack() {
+    stack_.clear();
+    input_versions_.clear();
+  }
 
   // An outermost watched call starts: the monitor decides the phase and the step (None: not recorded).
   void begin(int64_t idx, py::handle args, py::handle kwargs) {
@@ -692,6 +767,9 @@ class Hooks {
   std::shared_ptr<GradSink> sink_;
   py::object owner_;
   std::vector<StackEntry> stack_;
+  // The inputs of the running calls and their versions when each began (-1: an inference tensor),
+  // in stack order: post() tells whether its call changed one in place.
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> input_versions_;
   std::vector<int32_t> root_outputs_;
   uint8_t phase_ = kNone;
   int64_t step_ = 0;
