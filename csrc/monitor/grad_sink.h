@@ -24,6 +24,7 @@
 #include <torch/extension.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include "../inputs.h"
 #include "../record.h"
@@ -42,6 +43,19 @@ namespace nanscan {
 // VariableHooks, made several times per recorded tensor on the hooks' per-call path.
 inline int64_t version_of(const at::TensorBase& t) {
   return t.is_inference() ? -1 : static_cast<int64_t>(t.unsafeGetTensorImpl()->version_counter().current_version());
+}
+
+// A tensor's autograd metadata (nullptr: none), read directly. Why: TensorBase::is_view(),
+// grad_fn() and output_nr() are out-of-line calls through the autograd VariableHooks, and the
+// hooks ask them of every recorded module output; for a tensor that is not a view they return
+// these fields (torch/csrc/autograd/variable.cpp), so only views take the calls.
+inline torch::autograd::AutogradMeta* autograd_meta_of(const at::TensorBase& t) {
+  return static_cast<torch::autograd::AutogradMeta*>(t.unsafeGetTensorImpl()->autograd_meta());
+}
+
+inline bool is_view(const at::TensorBase& t) {
+  const auto* meta = autograd_meta_of(t);
+  return meta != nullptr && meta->is_view_;
 }
 
 // csrc/cpu/summarize.cpp: the record of one CPU tensor, written to out[0:RECORD_SIZE] -- the code
@@ -75,48 +89,58 @@ void summarize_cpu_copy(const void* data, int64_t n, at::ScalarType dtype, doubl
 struct HostRows {
   static constexpr size_t kCopyBytes = 1024;
 
-  struct Copied {
-    size_t row, offset;
-    int64_t n;
+  // One row: a copy (its values at `offset` in copies_) or a record made on arrival (at `offset`
+  // in made_).
+  struct Entry {
+    bool copied;
     at::ScalarType dtype;
+    int64_t n;
+    size_t offset;
   };
 
-  std::vector<double> data;
-  std::vector<uint8_t> copies;  // the copied values, each at a 64-byte aligned offset
-  std::vector<Copied> copied;
-
-  bool empty() const { return data.empty(); }
+  bool empty() const { return entries_.empty(); }
 
   void add(const at::Tensor& t) {
-    const size_t at = data.size();
-    data.resize(at + kRecordSize);
-    const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+    const int64_t n = t.numel();
+    const size_t bytes = static_cast<size_t>(n) * t.element_size();
     if (bytes <= kCopyBytes && t.is_contiguous() && !t.is_complex() && !t.is_neg() &&
         is_supported_real_dtype(t.scalar_type())) {
-      const size_t offset = (copies.size() + 63) & ~size_t{63};
-      copies.resize(offset + bytes);
-      if (bytes > 0) std::memcpy(copies.data() + offset, t.const_data_ptr(), bytes);
-      copied.push_back({at, offset, t.numel(), t.scalar_type()});
+      const size_t offset = (copies_.size() + 63) & ~size_t{63};
+      copies_.resize_for_overwrite(offset + bytes);  // (no zero fill: every byte is written now)
+      if (bytes > 0) std::memcpy(copies_.data() + offset, t.const_data_ptr(), bytes);
+      entries_.push_back({true, t.scalar_type(), n, offset});
       return;
     }
-    summarize_cpu_row(t, data.data() + at);
+    const size_t offset = made_.size();
+    made_.resize_for_overwrite(offset + kRecordSize);
+    summarize_cpu_row(t, made_.data() + offset);
+    entries_.push_back({false, t.scalar_type(), n, offset});
   }
 
-  // The records of the copies, in one pass.
-  void summarize_copies() {
-    for (const Copied& c : copied) summarize_cpu_copy(copies.data() + c.offset, c.n, c.dtype, data.data() + c.row);
-    copied.clear();
-    copies.clear();  // (keeps the capacity for the next window)
-  }
-
+  // The rows in order, as one [k, RECORD_SIZE] float64 tensor appended to `blocks`: the copies
+  // summarized now, in one pass.
   void seal_into(std::vector<at::Tensor>& blocks) {
-    if (data.empty()) return;
-    summarize_copies();
-    at::Tensor rows = at::empty({static_cast<int64_t>(data.size() / kRecordSize), kRecordSize}, at::kDouble);
-    std::copy(data.begin(), data.end(), rows.mutable_data_ptr<double>());
+    if (entries_.empty()) return;
+    at::Tensor rows = at::empty({static_cast<int64_t>(entries_.size()), kRecordSize}, at::kDouble);
+    double* out = rows.mutable_data_ptr<double>();
+    for (const Entry& e : entries_) {
+      if (e.copied) {
+        summarize_cpu_copy(copies_.data() + e.offset, e.n, e.dtype, out);
+      } else {
+        std::copy_n(made_.data() + e.offset, kRecordSize, out);
+      }
+      out += kRecordSize;
+    }
     blocks.push_back(std::move(rows));
-    data.clear();  // (keeps the capacity for the next window)
+    entries_.clear();  // (all three keep their capacity for the next window)
+    copies_.clear();
+    made_.clear();
   }
+
+ private:
+  std::vector<Entry> entries_;
+  c10::SmallVector<uint8_t, 0> copies_;  // the copied values, each at a 64-byte aligned offset
+  c10::SmallVector<double, 0> made_;
 };
 
 // The largest finite value of a floating dtype (of the real part for complex dtypes); NaN if not floating.
@@ -136,43 +160,48 @@ inline double dtype_max(at::ScalarType dtype) {
 
 // What a read needs to know of the gradients a GradSink received, kept in C++ until asked.
 struct GradMeta {
-  std::vector<int64_t> index;
-  std::vector<bool> stale;
-  std::vector<at::ScalarType> dtypes;
-  std::vector<c10::SmallVector<int64_t, 5>> shapes;
+  struct Grad {
+    int64_t index;  // the slot index of the output it flowed into
+    at::ScalarType dtype;
+    bool stale;     // changed in place before it was summarized
+    int32_t ndim;
+    size_t dims_at;  // its shape: dims[dims_at, dims_at + ndim)
+  };
+  std::vector<Grad> grads;
+  std::vector<int64_t> dims;
 
-  int64_t size() const { return static_cast<int64_t>(dtypes.size()); }
+  void add(int64_t index, const at::Tensor& g, bool stale) {
+    const auto sizes = g.sizes();
+    grads.push_back({index, g.scalar_type(), stale, static_cast<int32_t>(sizes.size()), dims.size()});
+    dims.insert(dims.end(), sizes.begin(), sizes.end());
+  }
 
-  void check(int64_t k) const {
+  int64_t size() const { return static_cast<int64_t>(grads.size()); }
+
+  const Grad& grad(int64_t k) const {
     TORCH_CHECK(k >= 0 && k < size(), "nanscan: no gradient ", k, " in this read (", size(), ")");
+    return grads[k];
   }
 
-  int64_t index_of(int64_t k) const {
-    check(k);
-    return index[k];
-  }
+  int64_t index_of(int64_t k) const { return grad(k).index; }
 
-  bool is_stale(int64_t k) const {
-    check(k);
-    return stale[k];
-  }
+  bool is_stale(int64_t k) const { return grad(k).stale; }
 
   py::object dtype(int64_t k) const {  // torch.dtype objects are static: borrowed
-    check(k);
-    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtypes[k])));
+    return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(grad(k).dtype)));
   }
 
   py::tuple shape(int64_t k) const {
-    check(k);
-    py::tuple out(shapes[k].size());
-    for (size_t d = 0; d < shapes[k].size(); ++d) out[d] = py::int_(shapes[k][d]);
+    const Grad& g = grad(k);
+    py::tuple out(g.ndim);
+    for (int32_t d = 0; d < g.ndim; ++d) out[d] = py::int_(dims[g.dims_at + d]);
     return out;
   }
 
   at::Tensor dtype_maxima() const {
     at::Tensor out = at::empty({size()}, at::kDouble);
     double* maxima = out.data_ptr<double>();
-    for (int64_t k = 0; k < size(); ++k) maxima[k] = dtype_max(dtypes[k]);
+    for (int64_t k = 0; k < size(); ++k) maxima[k] = dtype_max(grads[k].dtype);
     return out;
   }
 };
@@ -209,10 +238,7 @@ class GradSink {
     if (summarized_on_arrival(grad, !summarize_)) {
       flush_pending();  // (batched gradients received before this one: their records come first)
       host_.add(grad);
-      index_.push_back(index);
-      stale_.push_back(false);
-      dtypes_.push_back(grad.scalar_type());
-      shapes_.emplace_back(grad.sizes().begin(), grad.sizes().end());
+      meta_.add(index, grad, false);
       return;
     }
     host_.seal_into(records_);  // (gradients summarized on arrival before this one: their records come first)
@@ -229,7 +255,7 @@ class GradSink {
     // need the GIL to summarize with a Python backend.)
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
-    return static_cast<int64_t>(index_.size() + pending_index_.size());
+    return meta_.size() + static_cast<int64_t>(pending_index_.size());
   }
 
   py::tuple take() {
@@ -239,17 +265,11 @@ class GradSink {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       flush_locked();
-      meta->index.swap(index_);
       records.swap(records_);
-      meta->stale.swap(stale_);
-      meta->dtypes.swap(dtypes_);
-      meta->shapes.swap(shapes_);
+      std::swap(*meta, meta_);
       // (The next read receives about as many: no reallocations as they arrive.)
-      const size_t n = meta->index.size();
-      index_.reserve(n);
-      stale_.reserve(n);
-      dtypes_.reserve(n);
-      shapes_.reserve(n);
+      meta_.grads.reserve(meta->grads.size());
+      meta_.dims.reserve(meta->dims.size());
     }
     py::list blocks;
     for (auto& r : records) blocks.append(py::cast(std::move(r)));
@@ -266,12 +286,9 @@ class GradSink {
     if (pending_.empty()) return;
     for (size_t k = 0; k < pending_.size(); ++k) {
       const auto& g = pending_[k];
-      stale_.push_back(pending_version_[k] >= 0 && version_of(g) != pending_version_[k]);
-      dtypes_.push_back(g.scalar_type());
-      shapes_.emplace_back(g.sizes().begin(), g.sizes().end());
+      meta_.add(pending_index_[k], g, pending_version_[k] >= 0 && version_of(g) != pending_version_[k]);
     }
     records_.push_back(summarize_many_with(summarize_, pending_));
-    index_.insert(index_.end(), pending_index_.begin(), pending_index_.end());
     pending_.clear();
     pending_index_.clear();
     pending_version_.clear();
@@ -283,11 +300,8 @@ class GradSink {
   std::mutex mu_;
   std::vector<at::Tensor> pending_;
   std::vector<int64_t> pending_index_, pending_version_;
-  std::vector<int64_t> index_;
   std::vector<at::Tensor> records_;
-  std::vector<bool> stale_;
-  std::vector<at::ScalarType> dtypes_;
-  std::vector<c10::SmallVector<int64_t, 5>> shapes_;
+  GradMeta meta_;  // of the gradients received, in order (those pending not yet)
   HostRows host_;  // (at most one of host_ and pending_ holds rows: the records stay in order)
 };
 
@@ -314,9 +328,16 @@ struct RecordGrad : torch::autograd::FunctionPreHook {
 };
 
 inline void tap(const at::Tensor& tensor, const std::shared_ptr<GradSink>& sink, int64_t index) {
-  const auto& node = tensor.grad_fn();
-  if (!node) return;
-  node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, tensor.output_nr(), sink->generation));
+  const auto* meta = autograd_meta_of(tensor);
+  if (meta == nullptr) return;  // (no grad_fn)
+  if (meta->is_view_) {  // (a view's grad_fn may be regenerated: asked of the tensor)
+    const auto& node = tensor.grad_fn();
+    if (node) node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, tensor.output_nr(), sink->generation));
+    return;
+  }
+  if (meta->grad_fn_) {
+    meta->grad_fn_->add_pre_hook(std::make_unique<RecordGrad>(sink, index, meta->output_nr_, sink->generation));
+  }
 }
 
 }  // namespace nanscan

@@ -245,9 +245,8 @@ struct Rows {
 
   // The gradients a GradSink took (meta) are slots start, start + 1, ...: each output row learns its own.
   void set_grads(const GradMeta& meta, int64_t start) {
-    const auto& entries = meta.index;
-    for (size_t k = 0; k < entries.size(); ++k) {
-      int64_t e = entries[k];
+    for (size_t k = 0; k < meta.grads.size(); ++k) {
+      int64_t e = meta.grads[k].index;
       if (e >= 0 && e < static_cast<int64_t>(row_of.size()) && row_of[e] >= 0) {
         rows[row_of[e]].grad = static_cast<int32_t>(start + static_cast<int64_t>(k));
       }
@@ -373,7 +372,7 @@ class Window {
     if (it == known_.end() || it->second.ref.expired()) {
       // A full alias of a recorded tensor (x.view_as(x): DTensor.from_local, which tensor
       // parallelism applies to module inputs) holds the same values: the same record.
-      if (t.is_view()) {
+      if (is_view(t)) {
         const at::Tensor base(t._base());
         if (base.defined() && base.sizes() == t.sizes() && base.strides() == t.strides() &&
             base.storage_offset() == t.storage_offset() && base.scalar_type() == t.scalar_type()) {
@@ -467,6 +466,18 @@ std::string indexed(const std::string& prefix, Py_ssize_t i) {
   return out;
 }
 
+// A tensor found at `prefix`: kept if floating or complex. A nested floating tensor
+// (nn.TransformerEncoder's fast path in eval) has no sizes and the kernels do not take it: it is
+// not recorded, the call goes on, and `out` says that something it holds is unknown.
+void add_found(c10::MaybeOwned<at::Tensor> t, const std::string& prefix, Found& out) {
+  if (!t->is_floating_point() && !t->is_complex()) return;
+  if (t->is_nested()) {
+    out.unrecorded = true;
+    return;
+  }
+  out.push_back({prefix, std::move(t)});
+}
+
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
 // such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
 // Without `labels`, every label is left empty (no string is built: most calls need none).
@@ -474,14 +485,7 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
   // (Exact types first: THPVariable_Check of a non-tensor is an isinstance() through torch.Tensor's
   // metaclass, a few hundred instructions, and every hook call walks an args tuple.)
   if (THPVariable_CheckExact(value)) {
-    const at::Tensor& t = THPVariable_Unpack(value);
-    // (A nested tensor -- nn.TransformerEncoder's fast path in eval -- has no sizes and the kernels
-    // do not take it: it is not recorded, and the call goes on.)
-    if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
-      out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
-    } else if (t.is_nested()) {
-      out.unrecorded = true;
-    }
+    add_found(c10::MaybeOwned<at::Tensor>::borrowed(THPVariable_Unpack(value)), prefix, out);
     return;
   }
   if (value == Py_None || PyLong_Check(value) || PyFloat_Check(value) || PyUnicode_Check(value) ||
@@ -496,21 +500,12 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     if (local != nullptr && THPVariable_Check(local)) {
       at::Tensor t = THPVariable_Unpack(local);
       Py_DECREF(local);
-      if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
-        out.push_back({prefix, c10::MaybeOwned<at::Tensor>::owned(std::move(t))});
-      } else if (t.is_nested()) {
-        out.unrecorded = true;
-      }
+      add_found(c10::MaybeOwned<at::Tensor>::owned(std::move(t)), prefix, out);
       return;
     }
     Py_XDECREF(local);
     PyErr_Clear();
-    const at::Tensor& t = THPVariable_Unpack(value);
-    if ((t.is_floating_point() || t.is_complex()) && !t.is_nested()) {
-      out.push_back({prefix, c10::MaybeOwned<at::Tensor>::borrowed(t)});
-    } else if (t.is_nested()) {
-      out.unrecorded = true;
-    }
+    add_found(c10::MaybeOwned<at::Tensor>::borrowed(THPVariable_Unpack(value)), prefix, out);
     return;
   }
   if (depth > 32) return;
