@@ -163,7 +163,7 @@ def table(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     # (Many short rounds: the floor is a difference of two close step times. On 2026-12-01 one build
-    # measured 1.55 -- 1.94x the floor over three runs of 200 rounds of 5 steps (about 5 minutes
+    # measured 1.53 -- 1.94x the floor over four runs of 200 rounds of 5 steps (about 5 minutes
     # each), and 1.31 -- 2.32x over runs of 80 rounds; 15 rounds of 20 steps moved it by 2x.)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round (default 5)")
     parser.add_argument("--rounds", type=int, default=200, help="interleaved rounds (default 200)")
