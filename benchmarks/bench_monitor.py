@@ -97,6 +97,10 @@ class _HostCostSummary:
             us = (median - base) / N_HOST_MODULES * 1e6
             x_floor = f"{us / floor_us:.2f}x floor" if floor_us and label != "unwatched" else ""
             terminalreporter.write_line(f"{label:<34} {median * 1e6:>9.1f} us/step {us:>8.2f} us/module  {x_floor}")
+        # (Each variant is its own benchmark here, one after the other, and the floor is a small
+        # difference of two of them: on a shared machine its multiples move by 2x between runs.)
+        terminalreporter.write_line("(variants timed one after another; the interleaved measure, 200 rounds: "
+                                    "python -m benchmarks.host_cost)")
 
 
 @pytest.fixture
