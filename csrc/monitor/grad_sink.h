@@ -330,14 +330,9 @@ struct RecordGrad : torch::autograd::FunctionPreHook {
 inline void tap(const at::Tensor& tensor, const std::shared_ptr<GradSink>& sink, int64_t index) {
   const auto* meta = autograd_meta_of(tensor);
   if (meta == nullptr) return;  // (no grad_fn)
-  if (meta->is_view_) {  // (a view's grad_fn may be regenerated: asked of the tensor)
-    const auto& node = tensor.grad_fn();
-    if (node) node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, tensor.output_nr(), sink->generation));
-    return;
-  }
-  if (meta->grad_fn_) {
-    meta->grad_fn_->add_pre_hook(std::make_unique<RecordGrad>(sink, index, meta->output_nr_, sink->generation));
-  }
+  // (A view's grad_fn may be regenerated: asked of the tensor. Any other's is the field.)
+  const auto& node = meta->is_view_ ? tensor.grad_fn() : meta->grad_fn_;
+  if (node) node->add_pre_hook(std::make_unique<RecordGrad>(sink, index, meta->output_nr_, sink->generation));
 }
 
 }  // namespace nanscan

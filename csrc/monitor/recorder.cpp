@@ -602,11 +602,9 @@ class Hooks {
     }
     Rows& rows = w.rows_;
     const int32_t fid = static_cast<int32_t>(rows.frames.size());
-    // An input that could not be recorded (nested): what the call computed from is unknown.
-    rows.frames.push_back(Frame{static_cast<int32_t>(idx)});
-    rows.frames.back().inputs_changed = found.unrecorded;
-    rows.frames.back().inputs_at = static_cast<int32_t>(rows.frame_inputs.size());
-    rows.frames.back().n_inputs = static_cast<int32_t>(found.size());
+    // (An input that could not be recorded -- nested -- leaves what the call computed from unknown.)
+    rows.frames.push_back(Frame{static_cast<int32_t>(idx), static_cast<int32_t>(rows.frame_inputs.size()),
+                                static_cast<int32_t>(found.size()), 0, 0, found.unrecorded});
     const size_t versions_at = input_versions_.size();
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
