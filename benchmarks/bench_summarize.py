@@ -78,6 +78,13 @@ def test_amp_unscale_baseline(params, run_bench):
               "torch._amp_foreach_non_finite_check_and_unscale_")
 
 
+def test_sum_loop_read_floor(params, run_bench):
+    """One torch.sum per parameter: a read of every byte with the least work per element, the floor
+    a one-pass records can approach. (On CPU, _foreach_norm has no fused kernel: it runs one norm
+    after another.)"""
+    run_bench(lambda: [p.sum() for p in params], GROUP_MANY, "loop of torch.sum (the read floor)")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_summarize_many(params, run_bench, backend):
     run_bench(lambda: nanscan.records(params, backend=backend), GROUP_MANY, f"nanscan.records[{backend}]")
