@@ -1,7 +1,9 @@
-"""Turn a pytest-benchmark JSON (``--benchmark-json``) into the README's markdown table:
-median, ratio to the group's baseline, and GB/s where the benchmark recorded the bytes it reads.
+"""Turn pytest-benchmark JSONs (``--benchmark-json``) into the README's markdown table: median,
+ratio to the group's baseline, and GB/s where the benchmark recorded the bytes it reads. Several
+JSONs (separate runs, e.g. gpu_check.sh's stages) make one table; a group must not span two runs,
+since its ratios compare timings taken side by side in one run.
 
-    python benchmarks/results_table.py bench.json [--title "H200, torch 2.11"] > results.md
+    python benchmarks/results_table.py bench.json [more.json ...] [--title "H200, torch 2.11"] > results.md
 """
 import argparse
 import json
@@ -29,13 +31,28 @@ def table(data: dict, title: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(runs: list) -> dict:
+    """One pytest-benchmark document holding the benchmarks of every run (the first run's machine
+    info and date). Refuses a group found in two runs: its ratios would mix runs."""
+    seen: dict = {}
+    for k, run in enumerate(runs):
+        for group in {b["group"] for b in run["benchmarks"]}:
+            if seen.setdefault(group, k) != k:
+                raise ValueError(f"group {group!r} is in runs {seen[group]} and {k}: a group's ratios must "
+                                 "come from one run")
+    return dict(runs[0], benchmarks=[b for run in runs for b in run["benchmarks"]])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json")
+    parser.add_argument("json", nargs="+")
     parser.add_argument("--title", default="")
     args = parser.parse_args(argv)
-    with open(args.json) as f:
-        sys.stdout.write(table(json.load(f), args.title))
+    runs = []
+    for path in args.json:
+        with open(path) as f:
+            runs.append(json.load(f))
+    sys.stdout.write(table(merged(runs), args.title))
     return 0
 
 

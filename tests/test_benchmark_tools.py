@@ -1,0 +1,59 @@
+"""benchmarks/results_table.py: the README's ratio table from pytest-benchmark JSONs, one or several
+(gpu_check.sh writes one JSON per benchmark stage)."""
+import json
+
+import pytest
+
+from benchmarks import results_table
+
+
+def bench(group, label, median, baseline=False, bytes_read=None):
+    extra = {"label": label, "role": "baseline" if baseline else "candidate"}
+    if bytes_read is not None:
+        extra["bytes_read"] = bytes_read
+    return {"group": group, "name": f"test_{label}", "stats": {"median": median}, "extra_info": extra}
+
+
+def run(*benchmarks, node="h200-box"):
+    return {"machine_info": {"node": node, "python_version": "3.12.3"}, "datetime": "2026-12-01T22:00:00",
+            "benchmarks": list(benchmarks)}
+
+
+def rows(markdown):
+    return [line.split(" | ") for line in markdown.splitlines() if line.startswith("| ") and "---" not in line][1:]
+
+
+def test_several_runs_make_one_table_with_each_groups_ratio_from_its_own_run(tmp_path, capsys):
+    kernels = run(bench("single fp32", "torch.sum", 0.010, baseline=True, bytes_read=4e9),
+                  bench("single fp32", "nanscan.record[cuda]", 0.011, bytes_read=4e9))
+    monitor = run(bench("train step", "train step", 0.200, baseline=True),
+                  bench("train step", "train step + watch(sync)", 0.202), node="other")
+    paths = []
+    for name, doc in (("kernels", kernels), ("monitor", monitor)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(doc))
+
+    assert results_table.main([str(p) for p in paths] + ["--title", "H200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("## H200\n")
+    got = {(r[0].lstrip("| "), r[1]): (r[2], r[3], r[4]) for r in rows(out)}
+    assert got == {
+        ("single fp32", "torch.sum"): ("10.000", "1.00", "400"),
+        ("single fp32", "nanscan.record[cuda]"): ("11.000", "1.10", "364"),
+        ("train step", "train step"): ("200.000", "1.00", "-"),
+        ("train step", "train step + watch(sync)"): ("202.000", "1.01", "-"),
+    }
+    assert "date 2026-12-01T22:00:00" in out  # the first run's date and machine
+
+
+def test_a_group_found_in_two_runs_is_refused_not_mixed():
+    first = run(bench("train step", "train step", 0.2, baseline=True))
+    second = run(bench("train step", "train step + watch(sync)", 0.1))
+    with pytest.raises(ValueError, match="'train step' is in runs 0 and 1"):
+        results_table.merged([first, second])
+
+
+def test_one_run_is_the_table_it_always_was():
+    doc = run(bench("g", "base", 0.004, baseline=True), bench("g", "fast", 0.002))
+    assert results_table.merged([doc]) == doc
+    assert [r[3] for r in rows(results_table.table(doc))] == ["0.50", "1.00"]
