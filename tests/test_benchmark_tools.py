@@ -57,3 +57,24 @@ def test_one_run_is_the_table_it_always_was():
     doc = run(bench("g", "base", 0.004, baseline=True), bench("g", "fast", 0.002))
     assert results_table.merged([doc]) == doc
     assert [r[3] for r in rows(results_table.table(doc))] == ["0.50", "1.00"]
+
+
+def test_a_compiled_step_that_did_not_get_the_cuda_graphs_it_asked_for_says_so_in_its_label():
+    # benchmarks/bench_monitor.py times the GPT-2-small step under mode="reduce-overhead"; where
+    # inductor skips CUDA graphs (here: CPU tensors) the row must not pass for a CUDA-graph number.
+    import torch
+
+    from benchmarks.bench_monitor import warm_up
+    from benchmarks.models import GPT
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d=32, layers=1, heads=2, seq=16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 64, (2, 16))
+    try:
+        note = warm_up(torch.compile(model, mode="reduce-overhead"), opt, idx, "reduce-overhead")
+        assert note.startswith(" [CUDA graphs skipped in ") and note.endswith(" graph(s)]"), note
+        assert warm_up(torch.compile(model), opt, idx, "default") == ""  # inductor's default asks none
+    finally:
+        torch._dynamo.reset()
