@@ -1,5 +1,6 @@
 """GPU-only checks the CPU suite cannot make: CUDA-graph capture, no host sync, mixed devices,
-determinism, and more than 2**31 elements; for the C++/CUDA single-tensor kernel (one launch, the
+determinism, and more than 2**31 elements; the monitor on CUDA (eager sync / async, and compiled
+under CUDA graphs) naming the incidents the CPU run names; for the C++/CUDA single-tensor kernel (one launch, the
 last block combines, a ticket it resets): 1, 2 and many blocks, back-to-back calls and graph
 replays, concurrent streams; for its summarize_many table cache: hits, values changed in place,
 lists changed or swapped, eviction, no copy on a hit. (Every backend vs reference on CUDA tensors
@@ -110,6 +111,38 @@ def test_watched_training_step_async_has_no_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")  # (close() reads the last step: one sync, allowed)
     assert mon.incidents == [] and mon.ledger.applied == 5
+
+
+@pytest.mark.parametrize("optimizer", [False, True], ids=["no optimizer", "AdamW"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_eager_watch_on_cuda_names_every_incident_as_on_cpu(mode, optimizer):
+    # The device paths (records into device buffers, the async read one step late through pinned
+    # memory) must not move an incident to another step, phase or module: the same loop's incidents
+    # on the CPU (sync) are the oracle. A NaN batch at step 1, a backward-only fault at step 3; with
+    # AdamW the NaN spreads through the updates, so every later step has incidents of its own.
+    from tests.test_monitor_loops import SqNet, key
+
+    def incidents(device, mode):
+        torch.manual_seed(0)
+        model = SqNet().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer else None
+        with nanscan.watch(model, opt, on_nonfinite="record", mode=mode) as mon:
+            for i in range(6):
+                model.fault = i == 3
+                x = torch.randn(4, 8).to(device)  # (drawn on the CPU: the same batches on both)
+                if i == 1:
+                    x[0, 0] = float("nan")
+                model(x).pow(2).mean().backward()
+                if opt is not None:
+                    opt.step()
+                model.zero_grad(set_to_none=True)
+        return [key(inc) for inc in mon.incidents]
+
+    on_cpu = incidents("cpu", "sync")
+    assert on_cpu[0] == (1, "forward", "inp", "activation", False)
+    if not optimizer:
+        assert (3, "backward", "sq", "grad", True) in on_cpu
+    assert incidents("cuda", mode) == on_cpu
 
 
 @CUDA_KERNEL
