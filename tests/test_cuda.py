@@ -351,12 +351,16 @@ def test_many_cache_hit_copies_nothing():
     assert sum("scan_many_kernel" in name for name in on_gpu) == 2, on_gpu
 
 
-def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
-    # inductor with CUDA graphs (mode="reduce-overhead"; plain inductor is tested on CPU): the traced
-    # stamps (nanscan::stamp: effectful, its buffer named by owner, not an argument) must still write
-    # the monitor's buffer on every replay -- forward, and backward where this torch traces tensor
-    # hooks into graphs. One run per side (two graphs compiled): a NaN batch at step 1, a
-    # backward-only fault at step 3; no optimizer, so no update spreads the NaN.
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_compiled_watched_model_names_faults_like_eager_on_cuda(mode):
+    # inductor on CUDA, and with CUDA graphs (mode="reduce-overhead"): the traced stamps
+    # (nanscan::stamp: effectful, its buffer named by owner, not an argument) must still write the
+    # monitor's buffer on every replay -- forward, and backward where this torch traces tensor hooks
+    # into graphs -- and must not cost the model its CUDA graphs (inductor would fall back without
+    # them, and say so only in a log). One run per side (two graphs compiled): a NaN batch at
+    # step 1, a backward-only fault at step 3; no optimizer, so no update spreads the NaN.
+    from torch._dynamo.utils import counters
+
     from nanscan.monitor.traced import GRAD_HOOKS
     from tests.test_monitor_loops import SqNet, key
 
@@ -364,8 +368,9 @@ def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = SqNet().cuda()
+        skips = counters["inductor"]["cudagraph_skips"]
         with nanscan.watch(model, on_nonfinite="record") as mon:
-            fwd = torch.compile(model, mode="reduce-overhead") if compiled else model
+            fwd = torch.compile(model, mode=mode) if compiled else model
             for i in range(5):
                 model.fault = i == 3
                 x = torch.randn(4, 8, device="cuda")
@@ -373,6 +378,7 @@ def test_compiled_watched_model_names_faults_like_eager_under_cuda_graphs():
                     x[0, 0] = float("nan")
                 fwd(x).pow(2).mean().backward()
                 model.zero_grad(set_to_none=True)
+        assert counters["inductor"]["cudagraph_skips"] == skips, "inductor skipped CUDA graphs (see its log)"
         first = {}
         for inc in mon.incidents:
             first.setdefault(inc.step, key(inc))
