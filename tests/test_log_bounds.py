@@ -1,0 +1,82 @@
+"""What the monitor keeps per step stays bounded however long the run (issue 27, item 20): the step
+log holds entries only for checked steps still to be written -- eval forwards in unchecked steps
+make none -- and writes them in step order."""
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+from nanscan import log
+from nanscan.vocabulary import TRAINING_PHASES
+
+from tests.helpers import backward_and_step
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _step_records(path):
+    return [e for e in log.read_events(path) if e.get("type") == "step"]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_eval_forwards_in_unchecked_steps_make_no_step_entries(tmp_path, mode):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "events.jsonl"
+    mon = nanscan.watch(model, opt, every=10, log=str(path), mode=mode)
+    steps, most = 300, 0
+    with mon:
+        for i in range(steps):
+            with torch.no_grad():  # an eval forward in every step, checked or not
+                model(torch.randn(4, 8))
+            loss = mon.check_loss(model(torch.randn(4, 8)).pow(2).mean())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            most = max(most, len(mon.steplog.steps))
+        with torch.no_grad():  # after the last step: step 300 never runs
+            model(torch.randn(4, 8))
+        most = max(most, len(mon.steplog.steps))
+    assert mon.step_index == steps
+    records = _step_records(path)
+    assert [e["step"] for e in records] == list(range(0, steps, 10))  # checked steps only, in order
+    for e in records:
+        assert e["update"] == "applied", e
+        assert isinstance(e["lr"], float) and e["lr"] == 0.01, e
+        assert isinstance(e["loss"], float) and math.isfinite(e["loss"]), e
+        assert isinstance(e["grad_norm"], float) and math.isfinite(e["grad_norm"]), e
+        assert set(e["nonfinite"]) == set(TRAINING_PHASES) and not any(e["nonfinite"].values()), e
+    assert most <= 3, most  # entries only for the checked steps still to be written
+    assert mon.steplog.steps == {}
+
+
+def test_a_nonfinite_eval_forward_is_an_incident_line_not_a_step_record(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "events.jsonl"
+    mon = nanscan.watch(model, opt, every=10, log=str(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (eval incidents are warned about)
+        with mon:
+            for i in range(25):
+                with torch.no_grad():
+                    x = torch.randn(4, 8)
+                    if i in (10, 15):  # an eval NaN in a checked step and in an unchecked one
+                        x[0, 0] = NAN
+                    model(x)
+                backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt)
+                assert len(mon.steplog.steps) <= 3
+    events = log.read_events(path)
+    records = [e for e in events if e.get("type") == "step"]
+    assert [e["step"] for e in records] == [0, 10, 20]
+    assert all(not any(e["nonfinite"].values()) for e in records)  # eval is no step's
+    evals = [e for e in events if e.get("type") == "incident"]
+    assert [(e["step"], e["incident"]["phase"]) for e in evals] == [(10, "eval"), (15, "eval")]
