@@ -1,6 +1,7 @@
-"""What the monitor keeps per step stays bounded however long the run (issue 27, item 20): the step
-log holds entries only for checked steps still to be written -- eval forwards in unchecked steps
-make none -- and writes them in step order."""
+"""What the monitor keeps per step stays bounded however long the run (issue 27, items 20 and 21):
+the step log holds entries only for checked steps still to be written -- eval forwards in unchecked
+steps make none -- and writes them in step order; the AMP ledger keeps the loss scale's changes,
+not one entry per step."""
 import math
 import warnings
 
@@ -10,6 +11,7 @@ from torch import nn
 
 import nanscan
 from nanscan import log
+from nanscan.monitor.ledger import Ledger
 from nanscan.vocabulary import TRAINING_PHASES
 
 from tests.helpers import backward_and_step
@@ -80,3 +82,39 @@ def test_a_nonfinite_eval_forward_is_an_incident_line_not_a_step_record(tmp_path
     assert all(not any(e["nonfinite"].values()) for e in records)  # eval is no step's
     evals = [e for e in events if e.get("type") == "incident"]
     assert [(e["step"], e["incident"]["phase"]) for e in evals] == [(10, "eval"), (15, "eval")]
+
+
+def test_scale_history_keeps_changes_only():
+    ledger = Ledger()
+    for step, scale in [(0, 1024.0), (1, 1024.0), (2, 512.0), (3, 512.0), (4, 1024.0), (5, NAN), (6, NAN),
+                        (7, INF), (8, INF)]:
+        ledger.scale_history.append((step, scale))
+    history = ledger.scale_history
+    assert isinstance(history, list) and all(type(entry) is tuple for entry in history)
+    assert [s for s, _ in history] == [0, 2, 4, 5, 7]
+    assert [v for _, v in history][:3] == [1024.0, 512.0, 1024.0] and math.isnan(history[3][1])
+    assert ledger.to_dict()["scale_history"] == [[0, 1024.0], [2, 512.0], [4, 1024.0],
+                                                [5, {"finite": False, "value": "nan"}],
+                                                [7, {"finite": False, "value": "inf"}]]
+
+
+def test_a_steady_loss_scale_is_one_entry_and_a_skip_adds_the_halved_one():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)  # (growth_interval 2000: no growth here)
+    poison = {"on": False}
+    model[2].weight.register_hook(lambda g: g * INF if poison["on"] else g)
+    mon = nanscan.watch(model, opt, scaler)
+    with mon:
+        for i in range(200):
+            backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
+        assert mon.ledger.scale_history == [(0, 1024.0)]
+        poison["on"] = True  # step 200: an inf gradient, GradScaler skips it and halves the scale
+        backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
+        poison["on"] = False
+        for i in range(10):
+            backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
+    ledger = mon.ledger
+    assert (ledger.attempted, ledger.applied, ledger.skipped_steps) == (211, 210, [200])
+    assert ledger.scale_history == [(0, 1024.0), (201, 512.0)]  # the first step at the halved scale
+    assert ledger.to_dict()["scale_history"] == [[0, 1024.0], [201, 512.0]]
