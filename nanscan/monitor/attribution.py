@@ -30,7 +30,7 @@ from typing import Optional
 
 from nanscan.monitor.incident import Incident
 from nanscan.monitor.slots import at
-from nanscan.record import TensorSummary
+from nanscan.record import Field, TensorSummary
 from nanscan.vocabulary import PHASE_ORDER
 
 
@@ -124,3 +124,31 @@ def offenders(slots, bad: set, *, allow, position=None) -> dict:
         if s.name not in names:
             names.append(s.name)
     return found
+
+
+def other_offenders(slots, values, bad: set, *, allow, report, position=None) -> tuple:
+    """What the warning about ``report`` says of the step's other non-finite values: ``(made,
+    spread, fills)`` -- the names of values made non-finite from finite inputs, how many values were
+    computed from non-finite ones (propagated: they say nothing new and must not go into an
+    allow-list, which would mute the monitor), and the names that look like intended fills (only
+    -inf, made from finite inputs: masks, padding), the report's own included when it is one."""
+    made, fills, spread, seen = [], [], 0, set()
+    for i in sorted(bad, key=position):
+        s = at(slots, i)
+        if not s.candidate or s.derived or s.late or s.stale or allowed(s, allow) or s.step != report.step:
+            continue
+        if s.name in seen:
+            continue
+        seen.add(s.name)
+        v = values(i)
+        from_bad = bool(s.known_bad_inputs) or any(j in bad for j in (s.inputs or ()))
+        only_neginf = v[Field.NAN_COUNT] == 0 and v[Field.POSINF_COUNT] == 0
+        if only_neginf and not from_bad and s.grad_of is None:
+            fills.append(s.name)
+        if s.name == report.name:
+            continue
+        if from_bad:
+            spread += 1
+        else:
+            made.append(s.name)
+    return made, spread, fills

@@ -32,10 +32,14 @@ they were recorded when they first ran.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
+import types
 import weakref
 from typing import Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 ROOT = "(model)"
 
@@ -83,23 +87,112 @@ class ModuleInfo:
 
 
 def hooked(info: ModuleInfo) -> bool:
-    """Whether a module gets hooks: all but ``nn.Identity`` (other than the root). An Identity returns
-    its input: it records nothing, makes no value and no gradient, and timm puts dozens in every
-    model (layer scale, drop path, q/k norm when off), while each hooked module costs host time per
-    step and dynamo time per compile."""
-    return info.is_root or type(info.module()) is not torch.nn.Identity
+    """Whether a module gets hooks: all but ``nn.Identity`` (other than the root) and TorchScript
+    modules. An Identity returns its input: it records nothing, makes no value and no gradient, and
+    timm puts dozens in every model (layer scale, drop path, q/k norm when off), while each hooked
+    module costs host time per step and dynamo time per compile. A ``torch.jit.script`` module
+    takes no Python hooks: it is watched around -- its outputs are recorded where a watched module
+    consumes them, as values made in its parent's body."""
+    module = info.module()
+    if isinstance(module, torch.jit.ScriptModule):
+        return False
+    return info.is_root or type(module) is not torch.nn.Identity
+
+
+# Note [hooks on copies]: a module's hooks live in its ``_forward_pre_hooks`` / ``_forward_hooks``
+# dicts, which ``copy.deepcopy`` and pickling copy with it. Each hook is a bound method of the
+# closure that does the work on a :class:`_HookToken`:
+# * ``pickle`` / ``torch.save`` of a watched model pickles the token, which unpickles as an
+#   :class:`_Unhook` whose "hook" removes itself at its first call: a loaded model is unwatched
+#   (the closures themselves cannot be pickled: a whole-model checkpoint would fail).
+# * ``copy.deepcopy`` (EMA, teachers) keeps the live hook; the C++ hooks tell the copy from the
+#   watched module and record nothing for it. At close, the closures' C++ entry points are replaced
+#   by a function that removes the hooks from the module it is called on: a copy made while watched
+#   is back at unwatched speed after its first call.
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _remove_hooks(module, ids) -> None:
+    for attribute in _HOOK_DICTS:
+        hooks = getattr(module, attribute, None)
+        if hooks is not None:
+            for hook_id in ids:
+                hooks.pop(hook_id, None)
+
+
+class _Unhook:
+    """What a pickled nanscan hook becomes (Note [hooks on copies]): its first call removes it."""
+
+    def __init__(self, ids):
+        self.ids = tuple(ids)
+
+    def __getattr__(self, name):  # (the bound method's name, looked up when unpickled)
+        if not name.endswith("_hook"):
+            raise AttributeError(name)
+
+        def unhook(module, *args, **kwargs):
+            _remove_hooks(module, self.ids)
+
+        return unhook
+
+
+class _HookToken:
+    """The ``self`` of a nanscan hook (Note [hooks on copies])."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self):
+        self.ids: list = []  # the hook handle ids of one module
+
+    def __reduce__(self):
+        return _Unhook, (self.ids,)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def _bound(fn, token):
+    import types
+
+    return types.MethodType(fn, token)
 
 
 def _root_hooks(pre, post):
     """The root's hooks as functions with code objects of their own (see _run_eagerly_as_frame)."""
 
-    def root_pre_hook(module, args, kwargs):
-        return pre(module, args, kwargs)
+    def root_pre_hook(token, module, args, kwargs):
+        return pre(token, module, args, kwargs)
 
-    def root_post_hook(module, args, kwargs, output):
-        return post(module, args, kwargs, output)
+    def root_post_hook(token, module, args, kwargs, output):
+        return post(token, module, args, kwargs, output)
 
     return _run_eagerly_as_frame(root_pre_hook), _run_eagerly_as_frame(root_post_hook)
+
+
+# Values that hold no tensor: an output made of them needs no walk (and is not "cannot tell").
+_LEAVES = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis), slice, range, type, enum.Enum,
+           torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, types.FunctionType,
+           types.BuiltinFunctionType, types.MethodType, torch.nn.Module)
+
+
+def children(value) -> Optional[list]:
+    """``(key, item)`` pairs of a module output of a type the C++ walk does not know (it knows
+    tensors, tuples, lists, dicts and mappings), as torch's pytree would walk it: a dataclass's
+    fields, a pytree-registered type's children (by position); ``[]`` for a value that holds no
+    tensor; None for one nanscan cannot see into (a generator, an object of another type) -- the
+    caller's values computed from it are then "cannot tell". Called by ``gather`` in
+    csrc/monitor/recorder.cpp, only for such values."""
+    if isinstance(value, _LEAVES):
+        return []
+    if dataclasses.is_dataclass(value):
+        return [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+    node = pytree.SUPPORTED_NODES.get(type(value))
+    if node is not None:
+        items, _ = node.flatten_fn(value)
+        return list(enumerate(items))
+    return None
 
 
 def float_tensors(value, prefix: str, out: list) -> list:
@@ -114,6 +207,9 @@ def float_tensors(value, prefix: str, out: list) -> list:
     elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(value, "keys")):
         for k, v in value.items():
             float_tensors(v, f"{prefix}.{k}", out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            float_tensors(getattr(value, f.name, None), f"{prefix}.{f.name}", out)
     return out
 
 
@@ -135,21 +231,26 @@ class EagerHooks:
         self.cpp.record_grads = record_grads
         self._pre, self._post = self.cpp.fast_hooks()  # (plain C functions: no pybind11 dispatch per call)
 
-    def install(self) -> list:
-        handles, post_only = [], [False] * len(self.infos)
+    def install(self, handles: list) -> None:
+        """Hooks on every hooked module; each handle goes into ``handles`` as it is made, so that a
+        failure midway leaves the caller able to remove every hook already installed."""
+        post_only = [False] * len(self.infos)
         installed = [info for info in self.infos if hooked(info)]
         for info in installed:
             post_only[info.index] = self._post_only(info, info.module())
         self.cpp.set_post_only(post_only)
+        self._closures = []  # (closure, token): retargeted at close (Note [hooks on copies])
         for info in installed:
-            module = info.module()
+            module, token = info.module(), _HookToken()
             pre, post = self._pre_hook(info), self._post_hook(info)
+            self._closures += [(pre, token), (post, token)]
             if info.is_root:
                 pre, post = _root_hooks(pre, post)
             if not post_only[info.index]:
-                handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(module.register_forward_hook(post, with_kwargs=True))
-        return handles
+                handles.append(module.register_forward_pre_hook(_bound(pre, token), with_kwargs=True))
+                token.ids.append(handles[-1].id)
+            handles.append(module.register_forward_hook(_bound(post, token), with_kwargs=True))
+            token.ids.append(handles[-1].id)
 
     @staticmethod
     def _post_only(info: ModuleInfo, module: torch.nn.Module) -> bool:
@@ -164,6 +265,16 @@ class EagerHooks:
 
     def close(self) -> None:
         self.cpp.release()  # (the C++ side holds this object: the cycle ends here)
+        # Copies of the model made while watched still hold the hooks: from now on a call removes
+        # them from the module it runs on (Note [hooks on copies]).
+        for closure, token in getattr(self, "_closures", ()):
+            def unhook(*args, ids=token.ids):
+                _remove_hooks(args[1], ids)
+
+            for name, cell in zip(closure.__code__.co_freevars, closure.__closure__ or ()):
+                if name in ("pre", "post"):
+                    cell.cell_contents = unhook
+        self._closures = []
 
     @property
     def phase(self) -> Optional[str]:
@@ -190,6 +301,10 @@ class EagerHooks:
             self.recorded_forward = True
         return phase, self.monitor.step_index
 
+    def forward_aborted(self) -> None:
+        """The last outermost forward raised (the C++ side keeps its rows for attribution only)."""
+        self.monitor._forward_aborted()
+
     def forward_ends(self, index: int) -> None:
         self.monitor._forward_ends(self.infos[index])
 
@@ -208,19 +323,19 @@ class EagerHooks:
         traced, pre, index = self.monitor.traced, self._pre, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
-        row, owner, model = info.row_base, id(traced), traced.model
+        row, owner = info.row_base, id(traced)
 
         if info.leaf:  # (its inputs are stamped by its hook, with its outputs)
-            def pre_hook(module, args, kwargs):
+            def pre_hook(_token, module, args, kwargs):
                 if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
                     return None
                 pre(index, module, args, kwargs)
         else:
-            def pre_hook(module, args, kwargs):
+            def pre_hook(_token, module, args, kwargs):
                 if dynamo_compiling() or compiler._is_compiling_flag:
                     if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor:
                         t = args[0]
-                        if grad_enabled() and model.training and (t.is_floating_point() or t.is_complex()):
+                        if grad_enabled() and (t.is_floating_point() or t.is_complex()):
                             stamp([t], None, owner, row, "")
                             if type(t.numel()) is not int:
                                 traced.write_shape(row, t)
@@ -234,11 +349,11 @@ class EagerHooks:
         traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
-        row, owner, model = info.row_base + traced.INPUTS, id(traced), traced.model  # (its first output row)
+        row, owner = info.row_base + traced.INPUTS, id(traced)  # (its first output row)
         grad_hook = traced.grad_hook(info, 0) if traced.grad_hooks else None  # (the gradient into its output)
 
         if info.is_root:
-            def post_hook(module, args, kwargs, output):
+            def post_hook(_token, module, args, kwargs, output):
                 if dynamo_compiling() or compiler._is_compiling_flag:  # (= torch.compiler.is_compiling())
                     return traced.write_outputs(info, output)
                 # After a compiled forward the root's eager records would precede the graph's rows
@@ -246,10 +361,10 @@ class EagerHooks:
                 cpp.root_late = traced.used
                 post(index, module, args, kwargs, output)
         elif info.leaf:
-            def post_hook(module, args, kwargs, output):
+            def post_hook(_token, module, args, kwargs, output):
                 if dynamo_compiling() or compiler._is_compiling_flag:
                     if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor \
-                            and type(output) is Tensor and grad_enabled() and model.training:
+                            and type(output) is Tensor and grad_enabled():
                         # The input into the last input row, the output into the first output row.
                         t, first, values = args[0], row, []
                         if t.is_floating_point() or t.is_complex():
@@ -267,9 +382,9 @@ class EagerHooks:
                     return traced.write_leaf(info, args, kwargs, output)
                 post(index, module, args, kwargs, output)
         else:
-            def post_hook(module, args, kwargs, output):
+            def post_hook(_token, module, args, kwargs, output):
                 if dynamo_compiling() or compiler._is_compiling_flag:
-                    if traced.stamping and type(output) is Tensor and grad_enabled() and model.training:
+                    if traced.stamping and type(output) is Tensor and grad_enabled():
                         if output.is_floating_point() or output.is_complex():
                             stamp([output], None, owner, row, "")
                             if type(output.numel()) is not int:

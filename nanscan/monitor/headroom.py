@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import fnmatch
 import math
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -30,6 +29,7 @@ import torch
 from nanscan.headroom import dtype_max, headroom_bits, trend
 from nanscan.monitor.slots import Block, EagerRows, GradBlock
 from nanscan.record import Field
+from nanscan.warn import warn
 
 ZONE = 6  # bits above the threshold at which a tensor's history starts (a trend needs steps before the warning)
 HISTORY = 32  # checked steps of history per tracked tensor
@@ -184,7 +184,7 @@ class HeadroomWatch:
         self.lowest = {step: dict(sorted(d.items(), key=lambda kv: kv[1])[:LOWEST]) for step, d in lowest.items()}
         for event in new:
             try:  # never raises (a user's "error" warnings filter included): the event is kept either way
-                warnings.warn(str(event), HeadroomWarning, stacklevel=4)
+                warn(str(event), HeadroomWarning, stacklevel=4)
             except Exception:
                 pass
         return new

@@ -17,10 +17,16 @@ Steps. A step is one optimizer step: it ends in the optimizer's step post-hook, 
 GradScaler skipped the update (its ``step`` is wrapped), however many forward / backward passes
 it took (gradient accumulation). Without an optimizer, a step ends at the first training forward
 after a backward, and at :meth:`Monitor.close`. ``with mon.step(batch):`` still works as an
-explicit delimiter. A *training* forward is one with grad enabled and the (outermost watched)
-module in training mode; other forwards (``no_grad``, ``inference_mode``, ``model.eval()``) are
-phase ``"eval"``: they never change the step, are checked by default, read at their end, and
-never raise unless ``eval_forwards="raise"``.
+explicit delimiter.
+
+Note [training forwards]: a *training* forward is one with grad enabled (outside ``no_grad`` and
+``inference_mode``), whatever the modules' ``training`` flag: fine-tuning in ``model.eval()``
+(frozen BatchNorm statistics, no dropout) is training, and its backward and update follow. Other
+forwards are phase ``"eval"``: they never change the step, are checked by default, read at their
+end, and never raise unless ``eval_forwards="raise"``. A validation pass in ``model.eval()`` that
+leaves grad enabled cannot be told from fine-tuning in eval mode: it is checked as a training
+forward of the step it runs in (HF Trainer and Lightning validate under ``no_grad`` /
+``inference_mode``); the failure bundle keeps the step's first train-mode batch where there is one.
 
 Reads. Records stay on the device. A checked step is read once, with one copy: in sync mode in
 the optimizer's step pre-hook (a non-finite step is stopped before the update), or when the step
@@ -34,9 +40,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import glob
 import os
-import warnings
 import weakref
 from typing import Iterable, Optional
 
@@ -45,7 +51,7 @@ import torch
 from nanscan import _ops
 from nanscan.guard import attach_note
 from nanscan.monitor import distributed
-from nanscan.monitor.attribution import first_incidents, offenders
+from nanscan.monitor.attribution import first_incidents, offenders, other_offenders
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.headroom import HeadroomWatch, row_maxima
 from nanscan.monitor.incident import Incident, NonFiniteError
@@ -56,6 +62,7 @@ from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hooks
 from nanscan.record import RECORD_SIZE
+from nanscan.warn import warn
 
 MODES = ("sync", "async")
 COMPILED_GRADS = ("hooks", "taps", "off")
@@ -132,7 +139,9 @@ class Monitor:
         self._forward_bad: dict = {}  # step -> whether its forward had a non-finite value
         self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._closed = False
-        self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale record it once)
+        self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale / backward record it once)
+        self._scaled_ref = None  # the last scaler.scale(loss) result
+        self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._handles: list = []
         try:
@@ -146,7 +155,7 @@ class Monitor:
     # ------------------------------------------------------------------ setup
     def _install(self) -> None:
         if self.activations:
-            self._handles.extend(self.hooks.install())
+            self.hooks.install(self._handles)
             self.traced.allocate(self._model_device())
         if self.optimizer is not None:
             # Host work (the read): run eagerly even when the optimizer step is compiled (one graph
@@ -246,6 +255,9 @@ class Monitor:
         def scale(outputs):
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and not self._closed:
                 self.check_loss(outputs)
+                scaled = original_scale(outputs)
+                self._scaled_ref = weakref.ref(scaled)  # (its backward is the loss's, recorded unscaled)
+                return scaled
             return original_scale(outputs)
 
         def step(optimizer, *args, **kwargs):
@@ -277,14 +289,16 @@ class Monitor:
         module = info.module()
         if self._closed or module is None:
             return None
-        if not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and module.training):
+        if not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):  # Note [training forwards]
             return "eval" if (self.eval_forwards != "skip" and self.activations) else None
         if not self._explicit and self.optimizer is None and self._backward_seen():
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
         if self.headroom is not None:
             self.headroom.note_autocast(self.step_index, self._model_device().type)
-        if info.is_root and not self._root_seen:  # the step's first forward of the whole model
-            self._root_seen = True
+        # The step's first forward of the whole model -- or its first in train mode, after forwards
+        # in eval mode with grad enabled (a validation pass without no_grad): the batch it trained on.
+        if info.is_root and (not self._root_seen or (self._root_seen == "eval" and module.training)):
+            self._root_seen = True if module.training else "eval"
             if self.capture_dir is not None and self.checking and not self._explicit:
                 self._capturer.remember(self.step_index, forward_inputs=(args, kwargs))
             else:
@@ -295,6 +309,12 @@ class Monitor:
         if info.is_root:
             self.traced.begin_forward()
         return "forward"
+
+    def _forward_aborted(self) -> None:
+        """The model's last forward raised and the loop went on (it skipped the batch): that batch is
+        not the step's, the next forward's is."""
+        if self._root_seen and not self._explicit:
+            self._root_seen = False
 
     def _backward_seen(self) -> bool:
         """A gradient of a module output was received since the last read."""
@@ -361,6 +381,17 @@ class Monitor:
         request the optimizer state; read with the next step's copy. A parameter's input is the
         gradient the update used, read (and decoded) a moment ago."""
         step = self.step_index
+        if self.optimizer_state:
+            # Before the parameters: the update computed them from this state (Adam's moments), so a
+            # non-finite state is the first place in production order, not the parameter it spoiled.
+            names = {id(p): n for n, p in self._params}
+            for p, state in optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
+                        if self._sharded:
+                            value = distributed.local_shards([value])[0]
+                        name = f"{names.get(id(p), '?')}.{key}"
+                        self.slots.add(value, Slot(step, "update", "optimizer_state", name, value.dtype, value.shape))
         if self.params and self._params:
             def input_bad(k, names=self._param_names):
                 grads_read = self._grads_read.get(step)  # looked up when asked: async mode decodes late
@@ -377,15 +408,6 @@ class Monitor:
             self.slots.add_block(rows, Block(step, "update", "param", self._param_names, params,
                                              self._param_owners, input_bad=input_bad), len(params))
         self._record_buffers(step)
-        if self.optimizer_state:
-            names = {id(p): n for n, p in self._params}
-            for p, state in optimizer.state.items():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1 and value.is_floating_point():
-                        if self._sharded:
-                            value = distributed.local_shards([value])[0]
-                        name = f"{names.get(id(p), '?')}.{key}"
-                        self.slots.add(value, Slot(step, "update", "optimizer_state", name, value.dtype, value.shape))
 
     def _record_buffers(self, step: int) -> None:
         """Floating buffers after the update. They are produced by their module's forward (running
@@ -472,9 +494,27 @@ class Monitor:
             if self._loss_ref is not None and self._loss_ref() is loss:  # recorded already
                 return loss
             self._loss_ref = weakref.ref(loss)
-            self.slots.add(loss, Slot(self.step_index, "loss", "loss", "loss", loss.dtype, loss.shape,
-                                      self.hooks.root_outputs, True))
+            # Its inputs: the model's outputs in this window; with no forward recorded (a loss of the
+            # parameters alone) what it was computed from is unknown.
+            forward = self.hooks.recorded_forward
+            slot = Slot(self.step_index, "loss", "loss", "loss", loss.dtype, loss.shape,
+                        self.hooks.root_outputs if forward else (), True)
+            slot.inputs_changed = not forward
+            self.slots.add(loss, slot)
         return loss
+
+    def _backward_called(self, tensor: torch.Tensor) -> None:
+        """``tensor.backward()`` was called (Note [the loss is what backward is called on])."""
+        if self._closed or not self.checking or tensor.numel() != 1 or not tensor.is_floating_point():
+            return
+        if self._scaled_ref is not None and self._scaled_ref() is tensor:
+            return  # scaler.scale(loss).backward(): the loss was recorded, unscaled, by scale()
+        if self.hooks.recorded_forward or self._forward_seen:
+            self.check_loss(tensor)
+        elif _graph_has_compiled_function(tensor.grad_fn):
+            self._unhooked_graph = True  # a graph compiled before watch: its hooks never run
+        else:
+            self.check_loss(tensor)  # (a loss of the parameters alone: recorded, origin unknown)
 
     def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
                 step: Optional[int] = None) -> str:
@@ -722,15 +762,12 @@ class Monitor:
                 self.capture(report)
         except Exception as e:  # the incident stays the primary finding; the capture failure is attached
             capture_error = e
-            warnings.warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
+            warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
         self._log_incidents(found if report in found else found + [report])
         if self.on_nonfinite == "record" or raise_incident is None:  # None: an earlier incident is being raised
             return
         if self.on_nonfinite == "warn" or not raise_incident:
-            others = [n for n in self.offenders.get(report.step, []) if n != report.name]
-            also = (f" Also non-finite in this step: {', '.join(others)}. If these values are intended, "
-                    f"watch(..., {self.allow_line()})." if others else "")
-            warnings.warn(str(report) + also, RuntimeWarning, stacklevel=3)
+            warn(str(report) + self._also(slots, row, bad, report, position), RuntimeWarning, stacklevel=3)
             return
         error = NonFiniteError(report)
         error.bundle_path = self.bundle_path
@@ -739,6 +776,25 @@ class Monitor:
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
         raise error
+
+    def _also(self, slots, row, bad, report, position) -> str:
+        """The rest of a warned incident's message: the step's other values made non-finite (by
+        name), how many were computed from non-finite values (counted: ``mon.offenders`` lists
+        them), and ``allow=`` only for values that look intended (-inf fills)."""
+        if report.step not in self.offenders:
+            return ""
+        made, spread, fills = other_offenders(slots, row, bad, allow=self.allow, report=report, position=position)
+        parts = []
+        if made:
+            shown = ", ".join(made[:8]) + (f" and {len(made) - 8} more" if len(made) > 8 else "")
+            parts.append(f" Also non-finite in this step: {shown}.")
+        if spread:
+            parts.append(f" {spread} value(s) in this step were computed from non-finite ones (mon.offenders "
+                         f"lists every name).")
+        if fills:
+            patterns = tuple(dict.fromkeys(glob.escape(n) for n in fills))
+            parts.append(f" If these -inf fills are intended (masks, padding): watch(..., allow={patterns!r}).")
+        return "".join(parts)
 
     @property
     def headroom_events(self) -> list:
@@ -768,7 +824,7 @@ class Monitor:
                     self.steplog.headroom_event(event)
         except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
             self.headroom = None
-            warnings.warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning,
+            warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning,
                           stacklevel=3)
 
     def _log_incidents(self, incidents) -> None:
@@ -798,6 +854,9 @@ class Monitor:
         calls hooks added later. Attribution would then be wrong, so refuse loudly."""
         if not self.activations or copy.recorded_forward or (copy.traced and any(copy.traced)):
             return
+        unhooked, self._unhooked_graph = self._unhooked_graph, False
+        if self._loss_ref is not None and not unhooked and self._loss_ref() is not None:
+            return  # a loss recorded at its backward with no forward: of the parameters alone, origin unknown
         if any(type(s) is Block and s.param for s in slots[-1:]) or any(
                 s.phase in ("loss", "backward") and s.step == copy.step for s in slots if type(s) is Slot):
             raise RuntimeError(
@@ -805,6 +864,70 @@ class Monitor:
                 "were seen. If the model was compiled before it was watched, the compiled graph never calls "
                 "hooks added later: call nanscan.watch(model) first, then torch.compile(model). (A loss computed "
                 "without calling the watched model gives this error too.)")
+
+
+# Note [the loss is what backward is called on]: a watched training step's loss is recorded (phase
+# "loss", its inputs the model's outputs) however the loop computes it -- inside the model (HF
+# ``output.loss``), outside it (``F.cross_entropy(model(x), y) + penalty``), through
+# ``accelerator.backward``, Lightning or HF Trainer: all of them end in ``Tensor.backward``, which
+# is wrapped once, at the first ``watch``, to tell every open monitor. It records a floating
+# scalar in a checked step; ``check_loss`` stays for the rare loop that calls
+# ``torch.autograd.backward`` / ``torch.autograd.grad`` itself. While dynamo traces, the wrapper is
+# the plain call (nothing of it enters a graph).
+_original_backward = None
+
+
+def _install_backward_hook() -> None:
+    global _original_backward
+    if _original_backward is not None:
+        return
+    _original_backward = original = torch.Tensor.backward
+    compiling = torch.compiler.is_compiling
+
+    @functools.wraps(original)
+    def backward(self, *args, **kwargs):
+        if _WATCHED and not compiling():
+            for monitor in list(_WATCHED.values()):
+                try:
+                    monitor._backward_called(self)
+                except Exception as error:  # nanscan's own failure never stops training
+                    warn(f"nanscan: recording the loss at backward failed: {error!r}", RuntimeWarning)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.backward = backward
+
+
+def _graph_has_compiled_function(node, limit: int = 4096) -> bool:
+    """Whether an autograd graph holds a node of a compiled graph (``CompiledFunctionBackward``):
+    asked only in a step whose forward recorded nothing, to tell a model compiled before it was
+    watched (its hooks never run) from a loss of the parameters alone."""
+    stack, seen = [node], set()
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if "CompiledFunction" in type(n).__name__:
+            return True
+        stack.extend(f for f, _ in getattr(n, "next_functions", ()))
+    return False
+
+
+def _unwrap(optimizer, scaler):
+    """The torch optimizer (and its GradScaler) inside a wrapper users pass as their optimizer --
+    accelerate's ``AcceleratedOptimizer`` (``accelerator.prepare``): a torch ``Optimizer`` subclass
+    that never ran ``Optimizer.__init__`` (no hooks of its own) and holds the real one as
+    ``.optimizer`` and, with fp16, its scaler as ``.scaler``. Its ``step`` steps the inner
+    optimizer (through the scaler), so the inner one's hooks see every update."""
+    for _ in range(4):  # (a wrapper of a wrapper)
+        inner = getattr(optimizer, "optimizer", None)
+        if (optimizer is None or inner is None or inner is optimizer or "_optimizer_step_pre_hooks" in vars(optimizer)
+                or not callable(getattr(inner, "register_step_pre_hook", None))):
+            break
+        if scaler is None and callable(getattr(getattr(optimizer, "scaler", None), "step", None)):
+            scaler = optimizer.scaler
+        optimizer = inner
+    return optimizer, scaler
 
 
 _WATCHED: dict = {}  # id(model) -> its open Monitor
@@ -896,6 +1019,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                          "never run inside the compiled graph. Call nanscan.watch(model) first, then model.compile()")
     if not any(True for _ in model.parameters()):
         raise ValueError("nanscan.watch: the model has no parameters; there is nothing to train or watch")
+    optimizer, scaler = _unwrap(optimizer, scaler)
     if optimizer is not None and not (callable(getattr(optimizer, "register_step_pre_hook", None))
                                       and hasattr(optimizer, "param_groups")):
         raise TypeError(f"nanscan.watch: optimizer must be a torch.optim.Optimizer (or None), got "
@@ -903,7 +1027,15 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "scale", None))):
         raise TypeError(f"nanscan.watch: scaler must be a torch.amp.GradScaler (or None), got "
                         f"{type(scaler).__name__}: {scaler!r}"[:300])
-    if not isinstance(every, int) or every < 1:
+    if scaler is not None and optimizer is None:
+        raise ValueError("nanscan.watch: a GradScaler needs the optimizer it steps: watch(model, optimizer, scaler). "
+                         "(Without it nanscan cannot see whether scaler.step(optimizer) applied an update.)")
+    for name, value in (("activations", activations), ("activation_grads", activation_grads), ("grads", grads),
+                        ("params", params), ("buffers", buffers), ("optimizer_state", optimizer_state),
+                        ("keep_pre_update_state", keep_pre_update_state)):
+        if not isinstance(value, bool):
+            raise TypeError(f"nanscan.watch: {name} must be True or False, got {value!r}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"nanscan.watch: every must be an int >= 1, got {every!r}")
     if mode not in MODES:
         raise ValueError(f"nanscan.watch: mode must be one of {MODES}, got {mode!r}")
@@ -918,6 +1050,24 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
         raise ValueError(f"nanscan.watch: eval_forwards must be one of {EVAL_FORWARDS}, got {eval_forwards!r}")
     if isinstance(allow, str):
         allow = (allow,)
+    try:
+        allow = tuple(allow)
+    except TypeError:
+        allow = None
+    if allow is None or not all(isinstance(p, str) for p in allow):
+        raise TypeError("nanscan.watch: allow must be an fnmatch pattern (str) or an iterable of them, e.g. "
+                        f"allow=('*.attn_mask',), got {allow!r}"[:300])
+    if capture_dir is not None and not isinstance(capture_dir, (str, os.PathLike)):
+        raise TypeError(f"nanscan.watch: capture_dir must be a directory path (str or os.PathLike) or None, got "
+                        f"{type(capture_dir).__name__}: {capture_dir!r}"[:300])
+    if keep_pre_update_state and capture_dir is None:
+        raise ValueError("nanscan.watch: keep_pre_update_state=True keeps state for the failure bundle, which needs "
+                         "capture_dir=...")
+    if log is not None and not isinstance(log, (str, os.PathLike)) and type(log).__name__ != "EventLog":
+        raise TypeError(f"nanscan.watch: log must be a path (str or os.PathLike), a nanscan.EventLog or None, got "
+                        f"{type(log).__name__}: {log!r}"[:300])
+    if backend is not None:
+        _ops.resolve_backend(backend, next(model.parameters()).device)  # (an unknown one is a ValueError here)
     if headroom_bits is True:
         from nanscan.headroom import SUGGESTED_BITS
 
@@ -941,7 +1091,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     if activations:
         dropped = drop_graphs_compiled_without_hooks(model)
         if dropped:
-            warnings.warn(f"nanscan.watch: dropped {dropped} torch.compile graph(s) of this model's classes compiled "
+            warn(f"nanscan.watch: dropped {dropped} torch.compile graph(s) of this model's classes compiled "
                           f"before this watch (dynamo does not guard on module hooks and would reuse them without "
                           f"this monitor's hooks); they recompile at the next call", RuntimeWarning, stacklevel=2)
     monitor = Monitor(model, optimizer, scaler, activations=activations, activation_grads=activation_grads,
@@ -950,5 +1100,6 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                       on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
                       keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards,
                       headroom_bits=headroom_bits, headroom_cast=headroom_cast)
+    _install_backward_hook()
     _WATCHED[id(model)] = monitor
     return monitor

@@ -56,8 +56,8 @@ named after the module, produced when the gradients of its outputs were finite. 
 containers (dicts, ``ModelOutput``) are recorded but not tapped: the gradient flowing into them is
 unknown, and an input gradient of such a module says "cannot tell".
 
-Only training forwards are recorded (grad enabled, the root in training mode, the step sampled:
-dynamo guards on all three, so an eval forward runs a graph of its own that writes nothing).
+Only training forwards are recorded (grad enabled -- Note [training forwards] in monitor.py --,
+the step sampled: dynamo guards on both, so an eval forward runs a graph of its own that writes nothing).
 """
 from __future__ import annotations
 
@@ -417,7 +417,7 @@ class TracedRows:
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
-        return self.recording and torch.is_grad_enabled() and self.model.training
+        return self.recording and torch.is_grad_enabled()  # Note [training forwards] (monitor.py)
 
     def _write_rows(self, first_row: int, values: list, labels: str = "") -> None:
         """One hook's values into consecutive rows from ``first_row``: their records and sequence
