@@ -9,7 +9,7 @@ Layout (every file but the manifest is written with ``torch.save`` and read back
                       ``digest``: the SHA-256 of the manifest itself (see :func:`manifest_digest`)
       batch.pt        {"args": [...], "kwargs": {...}, "single": bool[, "mapping": True]}: the
                       tensors that entered the step, cloned *before* the forward (later in-place
-                      edits do not reach the bundle)
+                      edits do not reach the bundle); what is kept of other batches: below
       rng.pt          RNG states captured before the step: python, numpy, torch CPU, every CUDA device
       model.pt        model.state_dict()
       optimizer.pt    optimizer.state_dict()        (when an optimizer was given)
@@ -32,6 +32,32 @@ bundle and says how many bytes were free.
   its name; a file whose hash was forged too still cannot execute code (``weights_only=True``)
   and must hold what ``write_bundle`` writes (e.g. ``model.pt`` a dict of str -> Tensor).
 
+Batches. ``batch.pt`` holds only what ``weights_only`` loading accepts -- tensors, numbers,
+strings, None and lists / dicts of them -- so other batch objects are stored as follows
+(:func:`clone_batch`, :func:`clone_forward_inputs`); ``path`` names an element the way
+``manifest["inputs"]`` does (``args[0]``, ``args[0].mask``, ``kwargs.input_ids``):
+
+- a mapping that is not a plain dict (an HF ``BatchEncoding``, which is a ``UserDict``; a
+  ``ModelOutput``, an ``OrderedDict``): a dict of its items. ``model(**batch)`` is stored as keyword
+  arguments (``"mapping": True``) and replays as ``model(**dict)``; ``model(batch)`` is stored as
+  one positional input (``"single": True``) and replays as ``model(dict)`` -- a model that reads
+  ``batch["input_ids"]`` gets what it read, one that uses ``batch.input_ids`` (attribute access of
+  a ``BatchEncoding``) needs ``replay(..., forward=...)``. Tuples (named ones too) become lists.
+- a dataclass instance: a dict of its fields. Rebuilding the user's class would take unpickling
+  (importing and running its code), which ``load_bundle`` never does, so replay passes the fields
+  as a dict; to replay a model that needs the class itself, rebuild it in ``forward=``, e.g.
+  ``replay(bundle, model, forward=lambda m, b: m(Batch(**b)))``. Capturing one warns once per
+  monitor, saying so.
+- ``manifest["batch_types"]``: ``path -> qualified type name`` of every element converted so
+  (a mapping, a dataclass, a tuple or number subclass; the first 256).
+- anything else (a custom object, a generator, a numpy array, an object that refers to itself):
+  the monitor stores None in its place, warns once per monitor naming its type, and lists it in
+  ``manifest["batch_dropped"]`` (``[{"path": ..., "type": ...}]``, the first 256, with
+  ``batch_dropped_total`` when there were more); every tensor around it is kept. A monitor
+  feature never stops the run, so the watched forward never raises for a batch it cannot store;
+  ``capture_bundle`` and ``mon.step(batch)``, called by the user with the batch, raise
+  ``TypeError`` instead. These manifest fields are optional: a bundle written before them loads.
+
 Versions: format 2 added the manifest digest. A format-1 bundle (written before it) still loads
 -- its files are verified as before -- but its manifest cannot be, so ``load_bundle`` warns and
 sets ``Bundle.manifest_verified = False``; a format-1 manifest that carries a digest is refused
@@ -39,6 +65,7 @@ sets ``Bundle.manifest_verified = False``; a format-1 manifest that carries a di
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import datetime
 import errno
@@ -73,28 +100,165 @@ class BundleError(ValueError):
 
 
 # ---------------------------------------------------------------------------- capture helpers
-def clone_batch(args=(), kwargs=None) -> dict:
-    """Independent copies of the tensors of a batch (nested lists / tuples / dicts kept; other
-    leaves must be ints, floats, bools, strings or None). Taken before the forward."""
+# Kept in memory with a cloned batch, never in batch.pt: write_bundle moves "dropped", "dropped_total"
+# and "types" into the manifest (batch_dropped ...); "dataclasses" only says what to warn about.
+_NOTE_KEYS = ("dropped", "dropped_total", "types", "dataclasses")
+_MAX_NOTED = 256  # batch_dropped / batch_types entries a manifest lists (a batch may hold millions)
+_SCALARS = (bool, int, float, str)
 
-    def clone(value):
+
+def _qualname(cls) -> str:
+    module = getattr(cls, "__module__", None)
+    name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "?")
+    return name if module in (None, "builtins") else f"{module}.{name}"
+
+
+class _Cloner:
+    """Clones a batch into what ``weights_only`` loading accepts (see the module docstring).
+    ``strict``: an element that cannot be stored raises ``TypeError``; otherwise it becomes None
+    and is noted in ``dropped``."""
+
+    def __init__(self, strict: bool):
+        self.strict = strict
+        self.dropped: list = []  # [(path, qualified type name)], the first _MAX_NOTED
+        self.dropped_total = 0
+        self.types: dict = {}  # path -> qualified type name of a converted element
+        self.dataclasses: list = []  # [(path, qualified type name)]
+        self._active: set = set()  # ids of the containers being cloned: a cycle is refused
+
+    def _convert(self, path: str, value) -> None:
+        if len(self.types) < _MAX_NOTED:
+            self.types[path] = _qualname(type(value))
+
+    def drop(self, value, path: str, why: str = ""):
+        if self.strict:
+            raise TypeError(f"nanscan: cannot store a batch element of type {type(value).__name__}{why}; a bundle "
+                            "holds tensors, numbers, strings and lists / tuples / dicts / dataclasses of them")
+        self.dropped_total += 1
+        if len(self.dropped) < _MAX_NOTED:
+            self.dropped.append((path, _qualname(type(value))))
+        return None
+
+    def clone(self, value, path: str, depth: int = 0):
         if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        if isinstance(value, (list, tuple)):
-            return [clone(v) for v in value]
-        if isinstance(value, dict):
-            return {str(k): clone(v) for k, v in value.items()}
-        if value is None or isinstance(value, (bool, int, float, str)):
+            if self.strict:
+                return value.detach().clone()
+            try:
+                return value.detach().clone()
+            except Exception:  # an exotic tensor (a subclass that refuses clone): not kept, never raised
+                return self.drop(value, path)
+        if value is None or type(value) in _SCALARS:
             return value
-        raise TypeError(f"nanscan: cannot store a batch element of type {type(value).__name__}; a bundle "
-                        "holds tensors, numbers, strings and lists / tuples / dicts of them")
+        if isinstance(value, _SCALARS):  # an IntEnum, a numpy float64: stored as the plain number / string
+            base = next(t for t in _SCALARS if isinstance(value, t))
+            self._convert(path, value)
+            return {bool: bool, int: int.__index__, float: float.__float__, str: str.__str__}[base](value)
+        if depth >= _MAX_DEPTH:  # its elements would nest deeper than load_bundle accepts
+            return self.drop(value, path, f" nested deeper than {_MAX_DEPTH} levels")
+        if id(value) in self._active:
+            return self.drop(value, path, " that contains itself")
+        self._active.add(id(value))
+        try:
+            return self._container(value, path, depth)
+        except Exception:  # a mapping whose items() raises, a field whose getattr raises: dropped
+            if self.strict:
+                raise
+            return self.drop(value, path)
+        finally:
+            self._active.discard(id(value))
 
-    if isinstance(args, dict) and not kwargs:  # an HF-style batch: model(**batch), kept as keyword arguments
-        return {"args": [], "kwargs": clone(dict(args)), "single": False, "mapping": True}
+    def _container(self, value, path: str, depth: int):
+        if isinstance(value, collections.abc.Mapping):  # dict, OrderedDict, ModelOutput, BatchEncoding
+            if type(value) is not dict:
+                self._convert(path, value)
+            return {str(k): self.clone(v, f"{path}.{k}", depth + 1) for k, v in list(value.items())}
+        if isinstance(value, (list, tuple)):
+            if type(value) not in (list, tuple):  # a namedtuple, torch.Size
+                self._convert(path, value)
+            return [self.clone(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            self._convert(path, value)
+            if len(self.dataclasses) < _MAX_NOTED:
+                self.dataclasses.append((path, _qualname(type(value))))
+            # (getattr's default: a field(init=False) never set)
+            return {f.name: self.clone(getattr(value, f.name, None), f"{path}.{f.name}", depth + 1)
+                    for f in dataclasses.fields(value)}
+        return self.drop(value, path)
+
+    def finish(self, batch: dict) -> dict:
+        if self.dropped:
+            batch["dropped"] = [{"path": p, "type": t} for p, t in self.dropped]
+            batch["dropped_total"] = self.dropped_total
+        if self.types:
+            batch["types"] = dict(self.types)
+        if self.dataclasses:
+            batch["dataclasses"] = [{"path": p, "type": t} for p, t in self.dataclasses]
+        return batch
+
+
+def clone_batch(args=(), kwargs=None, *, strict: bool = True) -> dict:
+    """Independent copies of the tensors of a batch given as a whole (``mon.step(batch)``,
+    ``capture_bundle``), taken before the forward: nested lists / tuples / mappings / dataclasses
+    kept as lists and dicts, other leaves ints, floats, bools, strings or None (module docstring,
+    "Batches"). A mapping given alone is stored as keyword arguments (HF-style ``model(**batch)``).
+    Anything else raises ``TypeError``, or with ``strict=False`` becomes None and is listed under
+    the result's ``"dropped"`` key (``write_bundle`` moves it and ``"types"`` into the manifest)."""
+    c = _Cloner(strict)
+    if isinstance(args, collections.abc.Mapping) and not kwargs:  # model(**batch), kept as keyword arguments
+        return c.finish({"args": [], "kwargs": c.clone(args, "kwargs"), "single": False, "mapping": True})
     single = not isinstance(args, (tuple, list))
-    if single:
-        args = (args,)
-    return {"args": clone(list(args)), "kwargs": clone(dict(kwargs or {})), "single": single}
+    if not single and type(args) not in (tuple, list):
+        c._convert("args", args)
+    args = [args] if single else list(args)
+    return c.finish({"args": [c.clone(v, f"args[{i}]", 1) for i, v in enumerate(args)],
+                     "kwargs": c.clone(dict(kwargs or {}), "kwargs"), "single": single})
+
+
+def clone_forward_inputs(args=(), kwargs=None, *, strict: bool = False) -> dict:
+    """Like :func:`clone_batch`, for the inputs of a forward call ``model(*args, **kwargs)``,
+    stored in the form of the call so that replay makes the same call: ``model(x)`` (``x`` a
+    tensor, a dict, a ``BatchEncoding``, a dataclass ...) as ``"single"``, ``model(**batch)`` as
+    ``"mapping"``, anything else as args and kwargs. Not strict by default: this runs inside the
+    watched forward, which a batch the bundle cannot store must never stop."""
+    c = _Cloner(strict)
+    args, kwargs = tuple(args), dict(kwargs or {})
+    if not args and kwargs:  # model(**batch)
+        return c.finish({"args": [], "kwargs": c.clone(kwargs, "kwargs"), "single": False, "mapping": True})
+    if len(args) == 1 and not kwargs:  # model(x)
+        return c.finish({"args": [c.clone(args[0], "args[0]", 1)], "kwargs": {}, "single": True})
+    return c.finish({"args": [c.clone(v, f"args[{i}]", 1) for i, v in enumerate(args)],
+                     "kwargs": c.clone(kwargs, "kwargs"), "single": False})
+
+
+def batch_notices(batch: Optional[dict]) -> list:
+    """``[(kind, message)]`` about what of a cloned batch was not stored as it was given: kind
+    ``"dropped"`` (elements stored as None) and ``"dataclass"`` (stored as dicts of their fields).
+    The monitor warns each kind once."""
+    if not batch:
+        return []
+    out = []
+    dropped = batch.get("dropped") or []
+    if dropped:
+        total = max(batch.get("dropped_total") or 0, len(dropped))
+        shown = ", ".join(f"{d['path']} ({d['type']})" for d in dropped[:6]) + (
+            f" and {total - 6} more" if total > 6 else "")
+        out.append(("dropped", f"nanscan: the failure bundle cannot store {shown} of the batch -- a bundle holds "
+                               "tensors, numbers, strings, None and lists / dicts / dataclasses of them -- so it "
+                               "keeps None in place of each (listed under batch_dropped in the manifest) and every "
+                               "tensor around them; training is not affected. A replay needs forward= to rebuild "
+                               "them. (Warned once per monitor.)"))
+    classes = batch.get("dataclasses") or []
+    if classes:
+        shown = ", ".join(f"{d['path']} ({d['type']})" for d in classes[:6]) + (
+            f" and {len(classes) - 6} more" if len(classes) > 6 else "")
+        name = classes[0]["type"].rsplit(".", 1)[-1]
+        out.append(("dataclass", f"nanscan: the batch holds dataclass instances, {shown}: the failure bundle keeps "
+                                 "the fields of each as a dict (the class is named under batch_types in the "
+                                 "manifest), and replay passes that dict -- a bundle loads without unpickling, so "
+                                 "it cannot rebuild the class. A model that needs the class itself replays with "
+                                 f"forward=, e.g. forward=lambda model, b: model({name}(**b)). "
+                                 "(Warned once per monitor.)"))
+    return out
 
 
 def capture_rng() -> dict:
@@ -244,6 +408,8 @@ def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimi
         raise FileExistsError(f"nanscan: {path} already exists; a bundle never overwrites anything")
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
+    notes = {k: batch[k] for k in _NOTE_KEYS if k in batch}  # (clone_batch's notes: to the manifest)
+    batch = {k: v for k, v in batch.items() if k not in _NOTE_KEYS}
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     files = {"batch.pt": batch, "rng.pt": rng, "model.pt": model_state}
     if optimizer_state is not None:
@@ -266,6 +432,12 @@ def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimi
             "inputs": _dtypes_of(batch), "incident": incident, "environment": environment(),
             "extra": extra or {}, "files": hashes,
         }
+        dropped = list(notes.get("dropped") or [])
+        total = max(notes.get("dropped_total") or 0, len(dropped))
+        manifest["batch_dropped"] = dropped[:_MAX_NOTED]
+        if total > _MAX_NOTED:
+            manifest["batch_dropped_total"] = total
+        manifest["batch_types"] = dict(list((notes.get("types") or {}).items())[:_MAX_NOTED])
         manifest["digest"] = manifest_digest(manifest)
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1, allow_nan=False)
@@ -381,6 +553,18 @@ class Bundle:
     @property
     def kwargs(self) -> dict:
         return self.batch["kwargs"]
+
+    @property
+    def batch_dropped(self) -> list:
+        """``[{"path", "type"}]`` of the batch elements stored as None (module docstring,
+        "Batches"); empty for a bundle written before the field existed."""
+        return list(self.manifest.get("batch_dropped") or [])
+
+    @property
+    def batch_types(self) -> dict:
+        """``path -> qualified type name`` of the batch elements stored converted (a
+        ``BatchEncoding`` or a dataclass as a dict ...)."""
+        return dict(self.manifest.get("batch_types") or {})
 
 
 def load_bundle(path: str, map_location: Any = "cpu") -> Bundle:
@@ -557,6 +741,14 @@ _FIELDS = {
     "inputs": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(i, dict) for i in v)),
     "environment": ("an object", lambda v: isinstance(v, dict)),
     "extra": ("an object", lambda v: isinstance(v, dict)),
+    # (optional: absent in a bundle written before them)
+    "batch_dropped": ('a list of {"path": string, "type": string}',
+                      lambda v: isinstance(v, list) and all(
+                          isinstance(d, dict) and isinstance(d.get("path"), str) and isinstance(d.get("type"), str)
+                          for d in v)),
+    "batch_dropped_total": ("a count", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "batch_types": ("an object of path -> type name",
+                    lambda v: isinstance(v, dict) and all(isinstance(t, str) for t in v.values())),
 }
 
 
@@ -720,13 +912,17 @@ def capture_bundle(path: str, *, model: torch.nn.Module, batch: Any = (), kwargs
                    optimizer=None, scaler=None, rng: Optional[dict] = None, state_when: str = "before-update",
                    incident=None, step: Optional[int] = None) -> str:
     """Write a bundle on demand. ``batch`` is the positional input(s) of ``model`` (a tensor or a
-    tuple), ``kwargs`` its keyword inputs. Call it *before* the step to get pre-step RNG and state
+    tuple, a mapping, a dataclass: module docstring, "Batches"; an element it cannot store raises
+    ``TypeError``), ``kwargs`` its keyword inputs. Call it *before* the step to get pre-step RNG and state
     (``rng`` lets a caller pass states it captured earlier). State dicts are saved as they are (no
     extra copy of the model is made)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"nanscan.capture_bundle: model must be a torch.nn.Module, got {type(model).__name__}")
+    kept = clone_batch(batch, kwargs)
+    for _, message in batch_notices(kept):
+        warnings.warn(message.replace(" (Warned once per monitor.)", ""), RuntimeWarning, stacklevel=2)
     return write_bundle(
-        path, batch=clone_batch(batch, kwargs), rng=rng if rng is not None else capture_rng(),
+        path, batch=kept, rng=rng if rng is not None else capture_rng(),
         model_state=model.state_dict(), optimizer_state=optimizer.state_dict() if optimizer is not None else None,
         scaler_state=scaler.state_dict() if scaler is not None else None, state_when=state_when,
         training=model.training, autocast=autocast_state(), precision=model_precision(model),

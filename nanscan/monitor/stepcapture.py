@@ -5,6 +5,11 @@ At the start of each checked step: independent clones of the batch given to ``mo
 runs under, and -- only with ``keep_pre_update_state`` -- a copy of model / optimizer / scaler
 state (one extra copy of all state in memory and a copy per step). Two steps are kept: async mode
 and update-phase incidents are reported one step late.
+
+A batch the bundle cannot store as it is (a dataclass, a ``BatchEncoding``, a custom object: see
+"Batches" in :mod:`nanscan.capture.bundle`) is kept as far as it can be, with one
+``RuntimeWarning`` per monitor for each kind of loss; keeping the root module's forward inputs
+never raises, since it runs inside the watched forward.
 """
 from __future__ import annotations
 
@@ -12,6 +17,15 @@ import copy
 import os
 import warnings
 from typing import Optional
+
+try:
+    from nanscan.warn import warn as _warn  # a warning that a "-W error" filter cannot turn into an exception
+except ImportError:  # pragma: no cover
+    def _warn(message: str, category: type = RuntimeWarning, stacklevel: int = 2) -> None:
+        try:
+            warnings.warn(message, category, stacklevel=stacklevel + 1)
+        except Warning:
+            pass
 
 
 class StepCapture:
@@ -23,10 +37,12 @@ class StepCapture:
         self.saved: dict = {}  # step -> what was kept before it
         self.bundle_path: Optional[str] = None
         self.bundle_step: Optional[int] = None
+        self.warned: set = set()  # the kinds of batch loss warned about (once per monitor each)
 
     def remember(self, step: int, batch=None, forward_inputs=None) -> None:
         """Keep what the bundle of ``step`` needs: ``batch`` (given to ``mon.step(batch)``) or the
-        root module's ``forward_inputs`` ``(args, kwargs)`` of the step's first forward."""
+        root module's ``forward_inputs`` ``(args, kwargs)`` of the step's first forward (never
+        raises: what cannot be stored is dropped, warned once per monitor)."""
         from nanscan.capture import bundle as B
 
         pre_state = None
@@ -34,20 +50,26 @@ class StepCapture:
             pre_state = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
                          copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                          copy.deepcopy(self.scaler.state_dict()) if self.scaler is not None else None)
-        if forward_inputs is not None:
-            args, kwargs = forward_inputs
-            if len(args) == 1 and not kwargs:  # model(x)
-                kept = B.clone_batch(args[0])
-            elif not args and kwargs:  # model(**batch)
-                kept = B.clone_batch(dict(kwargs))
-            else:
-                kept = B.clone_batch(tuple(args), kwargs)
-        else:
+        if forward_inputs is not None:  # inside the watched forward: never raises
+            try:
+                kept = B.clone_forward_inputs(*forward_inputs)  # model(x), model(**batch), model(a, b=...)
+            except Exception as e:  # pragma: no cover - the cloner drops what it cannot keep
+                kept = None
+                self._warn_once("failed", f"nanscan: the failure bundle cannot keep the batch of step {step} ({e!r}); "
+                                          "a bundle of such a step has no batch. (Warned once per monitor.)")
+        else:  # mon.step(batch): the user's call; an element that cannot be stored raises TypeError here
             kept = B.clone_batch(batch) if batch is not None else None
+        for kind, message in B.batch_notices(kept):
+            self._warn_once(kind, message)
         self.saved[step] = {"batch": kept, "rng": B.capture_rng(),
                             "autocast": B.autocast_state(), "pre_state": pre_state, "training": self.model.training}
         for old in [k for k in self.saved if k < step - 1]:
             del self.saved[old]
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            _warn(message, RuntimeWarning, stacklevel=3)
 
     def note_autocast(self, step: int) -> None:
         """Called as the model's forward begins: autocast as the forward sees it."""
