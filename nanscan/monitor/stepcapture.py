@@ -18,14 +18,7 @@ import os
 import warnings
 from typing import Optional
 
-try:
-    from nanscan.warn import warn as _warn  # a warning that a "-W error" filter cannot turn into an exception
-except ImportError:  # pragma: no cover
-    def _warn(message: str, category: type = RuntimeWarning, stacklevel: int = 2) -> None:
-        try:
-            warnings.warn(message, category, stacklevel=stacklevel + 1)
-        except Warning:
-            pass
+from nanscan.warn import warn as _warn  # a warning that a "-W error" filter cannot turn into an exception
 
 
 class StepCapture:
