@@ -125,7 +125,9 @@ else:
     ext = CppExtension("nanscan._C", SOURCES_CPU, extra_compile_args=cpu_flags(),
                        extra_link_args=["-fopenmp"])
 
-dist_kwargs = dict(ext_modules=[ext], cmdclass={"build_ext": Build.with_options(use_ninja=False)})
+# ninja compiles the sources in parallel (MAX_JOBS of them) where it is installed; torch's BuildExtension
+# falls back to one compile after another where it is not.
+dist_kwargs = dict(ext_modules=[ext], cmdclass={"build_ext": Build.with_options(use_ninja=True)})
 from setuptools.dist import Distribution  # noqa: E402
 
 Distribution.nanscan_cuda = use_cuda

@@ -174,3 +174,51 @@ def test_fsdp_x_tensor_parallel_on_a_2d_mesh_names_rank_1(tmp_path):
     for r, results in enumerate(ranks.spawn(worker4, 4, tmp_path)):
         for fault, seen in results.items():
             assert ranks.key(seen) == expected[fault] + (1,), (r, fault, seen)
+
+
+class ActNet(nn.Module):
+    """fc1 -> act (no parameters) -> fc2 -> head; ``act.mode`` plants the fault."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2, self.head = nn.Linear(8, 16), Faulty(), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc2(self.act(self.fc1(x)))))
+
+
+def fsdp2_parameter_free_fault(rank, world, style):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ActNet()
+    for m in (model.fc1, model.fc2, model.head):
+        fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    seen = {}
+    try:
+        with nanscan.watch(model, opt) as mon:
+            for step in range(4):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * rank))
+                model.act.mode = "forward" if rank == 1 and step == 2 else None
+                if style == "explicit":
+                    with mon.step((x,)):
+                        loss = mon.check_loss(model(x).pow(2).mean())
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                else:
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+    except nanscan.NonFiniteError as e:
+        seen.update(ranks.incident_of(e))
+    return seen
+
+
+@pytest.mark.parametrize("style", ["explicit", "plain"])
+def test_fsdp2_a_fault_in_a_parameter_free_module_on_rank_1_is_named_on_every_rank(tmp_path, style):
+    seen = ranks.spawn(fsdp2_parameter_free_fault, 2, tmp_path, style)
+    for r in (0, 1):
+        assert ranks.key(seen[r]) == (2, "forward", "act", True, 1), (r, seen[r])

@@ -86,3 +86,23 @@ def test_accelerate_recipe_from_the_readme():
     inc = err.value.incident
     assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (3, "forward", "2", "activation", True)
     assert mon.ledger.applied == 3
+
+
+def test_hf_trainer_callback_after_a_nonfinite_error_a_new_run_on_the_model_is_watched(tmp_path):
+    from nanscan.integrations.transformers import NanscanCallback
+
+    first = trainer(tmp_path, [NanscanCallback(), PlantInfWeight(1)])
+    with pytest.raises(nanscan.NonFiniteError):
+        first.train()  # HF calls no callback on the exception: the monitor stays open
+    model = first.model
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = 0.0
+    callback = NanscanCallback()
+    args = first.args
+    transformers.Trainer(model=model, args=args, train_dataset=Batches(), callbacks=[callback]).train()
+    mon = callback.last_monitor
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    user = nanscan.watch(model)  # the callback's monitors are all closed
+    with pytest.raises(ValueError, match="already watched"):
+        NanscanCallback().on_train_begin(args, None, None, model=model)  # a user's monitor is left alone
+    user.close()

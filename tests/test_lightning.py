@@ -162,3 +162,21 @@ def test_fp16_mixed_precision_uses_the_trainers_grad_scaler():
     ledger = mon.ledger
     assert ledger.attempted == 3 and 2 in ledger.skipped_steps  # step 2 was stopped before its update
     assert ledger.applied == 3 - len(ledger.skipped_steps)
+
+
+def test_capture_keeps_the_inputs_of_the_submodule_training_step_calls_and_replay_uses_them(tmp_path):
+    # Tiny.training_step calls self.net(x), not self(x): the root's forward never runs.
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback(capture_dir=str(tmp_path))
+    module = Tiny()
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        fit([callback, Plant(2, "weight")], module=module)
+    path = err.value.bundle_path
+    assert path is not None
+    bundle = nanscan.load_bundle(path)
+    assert bundle.manifest["extra"]["inputs_of"] == "net"
+    x = bundle.batch["args"][0]
+    assert x.shape == (4, 8)
+    result = nanscan.replay(path, Tiny())  # (Tiny has no forward: replay must call net, as the step did)
+    assert result.reproduced and result.nonfinite_before == ["net.2.weight"]  # the planted +inf, before the step

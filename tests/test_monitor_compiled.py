@@ -604,3 +604,75 @@ def test_a_module_called_twice_across_a_graph_break_is_never_called_the_parents_
     # output: either `gate` is named, or nanscan says it cannot tell.
     assert (compiled.step, compiled.phase) == (1, "forward")
     assert compiled.name == "gate" or compiled.produced is None
+
+
+class ArmedSq(nn.Module):
+    """Identity until ``armed`` (set by the module itself at a step: dynamo recompiles its frame):
+    then x + sqrt(0 * x), a finite forward with a NaN gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x + torch.sqrt(x * 0.0) if self.armed else x
+
+
+class ArmedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sq = ArmedSq()
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.mlp.fc2 = self.mlp[2]
+
+    def forward(self, x):
+        return x + self.sq(self.mlp(x))  # (fc2's output has one consumer, sq)
+
+
+class ArmedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(ArmedBlock() for _ in range(2))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class SelfArmedSq(ArmedSq):
+    """Arms itself at its third call (an attribute set inside the compiled forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            self.armed = True
+        return super().forward(x)
+
+
+class SelfArmedNet(ArmedNet):
+    def __init__(self):
+        super().__init__()
+        self.blocks[1].sq = SelfArmedSq()
+
+
+@pytest.mark.skipif(not GRAD_HOOKS, reason="this torch cannot trace tensor hooks into the graph")
+@pytest.mark.parametrize("who", ["loop", "module"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_backward_fault_armed_by_a_recompile_is_named_like_eager(backend, who):
+    def plant(m, i):
+        if who == "loop":
+            m.blocks[1].sq.armed = i == 2  # (a guard on the attribute: that frame recompiles at step 2)
+        return torch.randn(4, 8)
+
+    make = ArmedNet if who == "loop" else SelfArmedNet
+    eager, compiled = eager_and_compiled(make, 4, plant, dict(backend=backend))
+    assert key(eager) == (2, "backward", "blocks.1.sq", "grad", True)
+    assert incident_tuple(compiled) == incident_tuple(eager)

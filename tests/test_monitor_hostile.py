@@ -259,28 +259,25 @@ class Parent(nn.Module):
         return self.head(h * 2)  # (a value made in the parent's body, fed to head)
 
 
-def test_a_dataclass_output_is_walked_and_its_nan_named_at_the_child():
+def child_fault_incident(child):
+    """The incident raised when ``child`` (in a Parent) makes a NaN at step 1."""
     torch.manual_seed(0)
-    model = Parent(DataclassChild())
+    model = Parent(child)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = nanscan.watch(model, opt)
     with pytest.raises(nanscan.NonFiniteError) as err, mon:
         for i in range(3):
             model.child.fault = i == 1
             sgd_loop(model, opt, 1)
-    assert key(err.value.incident) == (1, "forward", "child", "activation", True)
+    return err.value.incident
+
+
+def test_a_dataclass_output_is_walked_and_its_nan_named_at_the_child():
+    assert key(child_fault_incident(DataclassChild())) == (1, "forward", "child.hidden", "activation", True)  # (output field, as for dicts)
 
 
 def test_a_generator_output_nanscan_cannot_see_into_gives_cannot_tell():
-    torch.manual_seed(0)
-    model = Parent(GeneratorChild())
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt)
-    with pytest.raises(nanscan.NonFiniteError) as err, mon:
-        for i in range(3):
-            model.child.fault = i == 1
-            sgd_loop(model, opt, 1)
-    inc = err.value.incident
+    inc = child_fault_incident(GeneratorChild())
     assert (inc.step, inc.phase) == (1, "forward")
     assert inc.produced is None  # never "(model) produced": the NaN came out of the generator
 
@@ -419,3 +416,141 @@ def test_gradscaler_loss_is_recorded_once_unscaled():
             scaler.update()
             opt.zero_grad()
     assert all(i.phase != "loss" for i in mon.incidents)
+
+
+# ---------------------------------------------------------------- close after a raised incident
+def test_async_close_after_a_raised_incident_never_raises_a_second_one():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, mode="async")
+    with pytest.raises(nanscan.NonFiniteError) as err:
+        try:
+            for i in range(5):
+                model.block.fault = i >= 2
+                sgd_loop(model, opt, 1)
+        finally:
+            mon.close()  # (a try/finally: a second error here would replace the first)
+    assert err.value.incident.step == 2
+    assert mon.incidents[0].step == 2
+
+
+# ---------------------------------------------------------------- the logged grad norm is before clipping
+def test_the_logged_grad_norm_is_the_norm_before_clipping(tmp_path):
+    from nanscan import log
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "steps.jsonl"
+    returned = []
+    with nanscan.watch(model, opt, log=str(path)):
+        for _ in range(3):
+            (model(torch.randn(4, 8)).pow(2).mean() * 100).backward()
+            returned.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)))
+            opt.step()
+            opt.zero_grad()
+    steps = [e for e in log.read_events(str(path)) if e.get("type") == "step"]
+    logged = [e["grad_norm"] for e in steps]
+    assert len(logged) == 3 and all(r > 1.5 for r in returned)  # clipping did clip
+    assert logged == pytest.approx(returned, rel=1e-6)
+
+
+# ---------------------------------------------------------------- sparse gradients
+class SparseEmbed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_a_sparse_embedding_gradient_is_summarized_over_its_values():
+    torch.manual_seed(0)
+    model = SparseEmbed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    poison = {"on": False}
+    model.emb.weight.register_hook(lambda g: g * NAN if poison["on"] else g)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(4):
+            poison["on"] = i == 2
+            ids = torch.tensor([[1, 2, 2, 7]])  # (a repeated index: duplicates are summed, coalesced)
+            model(ids).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind) == (2, "backward", "emb.weight", "grad")
+    assert inc.summary.shape == (3, 8) and inc.summary.nan_count == 24  # 3 distinct rows stored
+    assert mon.ledger.applied == 2
+
+
+# ---------------------------------------------------------------- a module replaced after watch
+def test_a_head_replaced_after_watch_is_never_blamed_on_its_parent_and_its_parameters_are_checked():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record")
+    sgd_loop(model, opt, 1)
+    with pytest.warns(RuntimeWarning, match="'head' was set after watch"):
+        model.head = nn.Linear(8, 1)  # fine-tuning: a new head
+    opt.add_param_group({"params": model.head.parameters()})
+    with torch.no_grad():
+        model.head.weight[0, 0] = NAN
+    sgd_loop(model, opt, 2)
+    mon.close()
+    first = mon.incident
+    assert (first.step, first.phase) == (1, "forward")
+    assert first.produced is None  # the NaN came out of the unwatched head: never "(model) produced"
+    assert any(n == "head.weight" for names in mon.offenders.values() for n in names)  # its parameters are read
+
+
+# ---------------------------------------------------------------- a gradient penalty (create_graph=True)
+def test_a_nan_made_by_a_gradient_penalty_backward_is_not_blamed_on_a_weight():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(3):
+            x = torch.randn(4, 8, requires_grad=True)
+            loss = model(x).pow(2).mean()
+            (g,) = torch.autograd.grad(loss, x, create_graph=True)
+            # sqrt of an exact 0 at step 1: a finite penalty whose backward is inf * 0 = NaN
+            penalty = (g.pow(2).sum() * (0.0 if i == 1 else 1.0)).sqrt()
+            (loss + penalty).backward()
+            opt.step()
+            opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.kind) == (1, "backward", "grad")
+    assert inc.produced is None  # made in the penalty's double backward, outside every module
+
+
+# ---------------------------------------------------------------- a background evaluator thread
+def test_eval_forwards_on_another_thread_never_join_the_training_threads_records():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bad = torch.full((2, 8), NAN)
+    stop = threading.Event()
+
+    def evaluator():  # no_grad forwards of a NaN batch, as fast as it can, beside the training loop
+        while not stop.is_set():
+            with torch.no_grad():
+                model(bad)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (the evaluator's eval incidents are warned)
+        mon = nanscan.watch(model, opt)
+        worker = threading.Thread(target=evaluator, daemon=True)
+        worker.start()
+        try:
+            sgd_loop(model, opt, 300)
+        finally:
+            stop.set()
+            worker.join()
+            mon.close()
+    assert mon.ledger.applied == 300  # no clean update was refused
+    assert all(i.phase == "eval" for i in mon.incidents)  # the evaluator's NaNs are its own, phase eval

@@ -53,7 +53,9 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -448,7 +450,10 @@ struct FoundTensor {
   c10::MaybeOwned<at::Tensor> tensor;
 };
 struct Found : c10::SmallVector<FoundTensor, 4> {  // (inline: one per hook call)
-  bool unrecorded = false;  // a floating tensor was left out (nested): what it held is unknown
+  // A floating tensor was left out (nested, a __torch_dispatch__ wrapper), or -- walking outputs --
+  // a value nanscan cannot see into (a generator, an object of a type it does not know): what it
+  // holds is unknown.
+  bool unrecorded = false;
 };
 
 // prefix + "[i]", without the temporaries of string concatenation (one per tuple item per call).
@@ -471,17 +476,33 @@ std::string indexed(const std::string& prefix, Py_ssize_t i) {
 // not recorded, the call goes on, and `out` says that something it holds is unknown.
 void add_found(c10::MaybeOwned<at::Tensor> t, const std::string& prefix, Found& out) {
   if (!t->is_floating_point() && !t->is_complex()) return;
-  if (t->is_nested()) {
+  // A __torch_dispatch__ subclass (a wrapper made with _make_wrapper_subclass: float8, NF4, ...)
+  // may hold no data of its own, and what it means is its own dispatch's business: left out, as
+  // a nested tensor is.
+  if (t->is_nested() || t->key_set().has(c10::DispatchKey::Python)) {
     out.unrecorded = true;
     return;
   }
   out.push_back({prefix, std::move(t)});
 }
 
+// nanscan.monitor.eager.children: the items of a value of another type (dataclasses, types
+// registered with torch's pytree), [] for a known leaf, None for a value it cannot see into.
+PyObject* children_of(PyObject* value) {
+  static PyObject* children = nullptr;  // (kept for the process: no destructor at interpreter exit)
+  if (children == nullptr) {
+    children = py::object(py::module_::import("nanscan.monitor.eager").attr("children")).release().ptr();
+  }
+  return PyObject_CallOneArg(children, value);
+}
+
 // Every floating / complex tensor inside `value` (tensors, tuples, lists, dicts and other mappings
-// such as HF ModelOutput), labelled like nanscan.monitor.eager.float_tensors.
-// Without `labels`, every label is left empty (no string is built: most calls need none).
-void gather(PyObject* value, const std::string& prefix, Found& out, bool labels = true, int depth = 0) {
+// such as HF ModelOutput, dataclasses, pytree-registered types), labelled like
+// nanscan.monitor.eager.float_tensors. Without `labels`, every label is left empty (no string is
+// built: most calls need none). `outputs`: a value it cannot see into marks `out.unrecorded`
+// (inputs of such types -- a KV cache object, a config -- are their producers' business).
+void gather(PyObject* value, const std::string& prefix, Found& out, bool labels = true, int depth = 0,
+            bool outputs = false) {
   // (Exact types first: THPVariable_Check of a non-tensor is an isinstance() through torch.Tensor's
   // metaclass, a few hundred instructions, and every hook call walks an args tuple.)
   if (THPVariable_CheckExact(value)) {
@@ -511,13 +532,15 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
   if (depth > 32) return;
   if (PyTuple_Check(value)) {
     for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(value); i < n; ++i) {
-      gather(PyTuple_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1);
+      gather(PyTuple_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1,
+             outputs);
     }
     return;
   }
   if (PyList_Check(value)) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(value); ++i) {
-      gather(PyList_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1);
+      gather(PyList_GET_ITEM(value, i), labels ? indexed(prefix, i) : std::string(), out, labels, depth + 1,
+             outputs);
     }
     return;
   }
@@ -525,7 +548,8 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
     PyObject *key, *item;
     Py_ssize_t pos = 0;
     while (PyDict_Next(value, &pos, &key, &item)) {
-      gather(item, labels ? prefix + "." + py::str(key).cast<std::string>() : std::string(), out, labels, depth + 1);
+      gather(item, labels ? prefix + "." + py::str(key).cast<std::string>() : std::string(), out, labels, depth + 1,
+             outputs);
     }
     return;
   }
@@ -536,8 +560,26 @@ void gather(PyObject* value, const std::string& prefix, Found& out, bool labels 
       py::tuple pair = py::reinterpret_borrow<py::tuple>(kv);
       py::object key = pair[0], item = pair[1];
       gather(item.ptr(), labels ? prefix + "." + py::str(key).cast<std::string>() : std::string(), out, labels,
-             depth + 1);
+             depth + 1, outputs);
     }
+    return;
+  }
+  if (!outputs) return;
+  PyObject* items = children_of(value);
+  if (items == nullptr) {  // (nanscan's own failure: what the value holds is unknown)
+    PyErr_Clear();
+    out.unrecorded = true;
+    return;
+  }
+  py::object owned = py::reinterpret_steal<py::object>(items);
+  if (owned.is_none()) {
+    out.unrecorded = true;
+    return;
+  }
+  for (py::handle kv : owned) {
+    py::tuple pair = py::reinterpret_borrow<py::tuple>(kv);
+    gather(pair[1].ptr(), labels ? prefix + "." + py::str(pair[0]).cast<std::string>() : std::string(), out, labels,
+           depth + 1, outputs);
   }
 }
 
@@ -554,6 +596,20 @@ struct StackEntry {
   size_t versions_at;  // its inputs' versions: Hooks::input_versions_[versions_at, ...) up to the next call's
 };
 
+// What the hooks know of the calls running on one thread.
+struct ThreadState {
+  std::vector<StackEntry> stack;
+  // The inputs of the running calls and their versions when each began (-1: an inference tensor),
+  // in stack order: post() tells whether its call changed one in place.
+  std::vector<std::pair<const c10::TensorImpl*, int64_t>> input_versions;
+  uint8_t phase = kNone;
+  int64_t step = 0;
+  // Where the running outermost forward's rows begin (abort_forward).
+  Window* forward_window = nullptr;
+  int64_t forward_generation = 0;
+  size_t forward_first_row = 0;
+};
+
 class Hooks {
  public:
   Hooks(std::vector<std::string> names, py::list module_refs, std::vector<bool> is_root, std::vector<bool> inplace,
@@ -566,6 +622,7 @@ class Hooks {
       infos_.push_back(Info{names[i], module_refs[i], static_cast<bool>(is_root[i]), static_cast<bool>(inplace[i])});
     }
     eager_ = std::make_shared<std::vector<uint8_t>>(names.size(), 0);
+    unwatched_children_.assign(names.size(), 0);
     forward_->eager = eager_;
     eval_->eager = eager_;
   }
@@ -574,24 +631,26 @@ class Hooks {
   bool root_late = false;  // the root's outputs come after a compiled forward's rows: attribution only
 
   void pre(int64_t idx, py::handle module, py::handle args, py::handle kwargs) {
+    ThreadState& ts = state();
     const Info& info = infos_.at(idx);
     if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;  // a copy of the model
     if (torch::autograd::get_current_graph_task_id() != -1) {  // recomputed inside a backward (checkpointing)
-      push_unrecorded();
+      push_unrecorded(ts);
       return;
     }
-    if (stack_.empty() || info.is_root) {
-      clear_stack();  // (frames a forward that raised left behind)
-      begin(idx, args, kwargs);
+    if (ts.stack.empty() || info.is_root) {
+      if (!ts.stack.empty()) abort_forward(ts);  // frames a forward that raised left behind
+      clear_stack(ts);
+      begin(ts, idx, args, kwargs);
     }
-    if (phase_ == kNone) {
-      push_unrecorded();
+    if (ts.phase == kNone) {
+      push_unrecorded(ts);
       return;
     }
-    Window& w = window();
+    Window& w = window(ts);
     const StackEntry* parent =
-        (!stack_.empty() && stack_.back().frame >= 0 && stack_.back().window == &w &&
-         stack_.back().generation == w.generation) ? &stack_.back() : nullptr;
+        (!ts.stack.empty() && ts.stack.back().frame >= 0 && ts.stack.back().window == &w &&
+         ts.stack.back().generation == w.generation) ? &ts.stack.back() : nullptr;
     // Only the batch rows (inputs with no parent call) keep a label: no strings built otherwise.
     static const std::string kInput = "input";
     const bool labels = parent == nullptr;
@@ -603,9 +662,12 @@ class Hooks {
     Rows& rows = w.rows_;
     const int32_t fid = static_cast<int32_t>(rows.frames.size());
     // (An input that could not be recorded -- nested -- leaves what the call computed from unknown.)
+    // (A module given a new child after watch -- `model.head = nn.Linear(...)` -- computes from
+    // values nanscan never saw made: its outputs and body values are "cannot tell" too.)
     rows.frames.push_back(Frame{static_cast<int32_t>(idx), static_cast<int32_t>(rows.frame_inputs.size()),
-                                static_cast<int32_t>(found.size()), 0, 0, found.unrecorded});
-    const size_t versions_at = input_versions_.size();
+                                static_cast<int32_t>(found.size()), 0, 0,
+                                found.unrecorded || unwatched_children_[idx] != 0});
+    const size_t versions_at = ts.input_versions.size();
     for (auto& f : found) {
       const at::Tensor& t = *f.tensor;
       int32_t entry = w.lookup(t);
@@ -614,8 +676,8 @@ class Hooks {
         if (r >= 0) rows.add_consumer(rows.rows[r], fid);
       } else {
         Row row;
-        row.phase = phase_;
-        row.step = step_;
+        row.phase = ts.phase;
+        row.step = ts.step;
         row.dtype = t.scalar_type();
         rows.set_shape(row, t.sizes());
         if (parent != nullptr) {  // made by an op in the parent's own body
@@ -633,10 +695,10 @@ class Hooks {
         w.remember(t, entry);
       }
       rows.frame_inputs.push_back(entry);
-      input_versions_.emplace_back(t.unsafeGetTensorImpl(), version_of(t));
+      ts.input_versions.emplace_back(t.unsafeGetTensorImpl(), version_of(t));
     }
     if (info.inplace && !found.empty()) w.flush();
-    stack_.push_back({fid, &w, w.generation, versions_at});
+    ts.stack.push_back({fid, &w, w.generation, versions_at});
   }
 
   // A module with no pre-hook (set_post_only: a torch.nn leaf that does not work in place) has its
@@ -650,35 +712,44 @@ class Hooks {
 
   void post(int64_t idx, py::handle module, py::handle args, py::handle kwargs, py::handle output) {
     if (!post_only_.empty() && post_only_.at(idx)) pre(idx, module, args, kwargs);
+    ThreadState& ts = state();
     const Info& info = infos_.at(idx);
     if (PyWeakref_GetObject(info.module_ref.ptr()) != module.ptr()) return;
-    if (stack_.empty()) return;
-    StackEntry top = stack_.back();
-    stack_.pop_back();
+    if (ts.stack.empty()) return;
+    StackEntry top = ts.stack.back();
+    ts.stack.pop_back();
     if (top.frame < 0) return;  // a call that is not recorded
-    Window& w = window();
+    Window& w = window(ts);
     if (top.window != &w || top.generation != w.generation || w.rows_.frames[top.frame].info != idx) {
-      clear_stack();  // out of step: a forward raised and left its frames behind
+      clear_stack(ts);  // out of step: a forward raised and left its frames behind
       return;
     }
     Rows& rows = w.rows_;
     if (!info.inplace) {  // (the inputs are alive: the call's arguments hold them)
       // A module that declares it works in place (nn.ReLU(inplace=True) ...) computes from what
       // its inputs held when the call began: their records (made before it ran) say that.
-      for (size_t k = top.versions_at; k < input_versions_.size(); ++k) {
-        const auto& [impl, version] = input_versions_[k];
+      for (size_t k = top.versions_at; k < ts.input_versions.size(); ++k) {
+        const auto& [impl, version] = ts.input_versions[k];
         if (version >= 0 && static_cast<int64_t>(impl->version_counter().current_version()) != version) {
           rows.frames[top.frame].inputs_changed = true;
           break;
         }
       }
     }
-    input_versions_.resize(top.versions_at);
+    ts.input_versions.resize(top.versions_at);
     Found found;
     static const std::string kOutputs;
-    gather(output.ptr(), kOutputs, found);
+    gather(output.ptr(), kOutputs, found, true, 0, /*outputs=*/true);
+    if (found.unrecorded && !ts.stack.empty()) {
+      // Part of the output could not be seen into: what the caller computes from it is unknown,
+      // so the caller's own values and outputs are "cannot tell" (never "produced there").
+      const StackEntry& parent = ts.stack.back();
+      if (parent.frame >= 0 && parent.window == &w && parent.generation == w.generation) {
+        w.rows_.frames[parent.frame].inputs_changed = true;
+      }
+    }
     const bool candidate = !(info.is_root && root_late);
-    const bool tap_grads = record_grads && phase_ == kForward && sink_ != nullptr;
+    const bool tap_grads = record_grads && ts.phase == kForward && sink_ != nullptr;
     // (Nothing else adds frame outputs until this call's are in: they are contiguous.)
     const int32_t outputs_at = static_cast<int32_t>(rows.frame_outputs.size());
     bool made_loss = false;
@@ -691,14 +762,14 @@ class Hooks {
       }
       Row row;
       row.kind = kOutput;
-      row.phase = phase_;
-      row.step = step_;
+      row.phase = ts.phase;
+      row.step = ts.step;
       row.candidate = candidate;
       row.info = static_cast<int32_t>(idx);
       row.frame = top.frame;
       row.dtype = t.scalar_type();
       rows.set_shape(row, t.sizes());
-      if (info.is_root && phase_ == kForward && f.label == ".loss") {  // HF-style: the model returns its loss
+      if (info.is_root && ts.phase == kForward && f.label == ".loss") {  // HF-style: the model returns its loss
         row.kind = kLoss;
         made_loss = true;
       }
@@ -714,7 +785,7 @@ class Hooks {
     rows.last_frame[idx] = top.frame;
     if (made_loss) owner_.attr("model_loss")(output);
     if ((*eager_)[idx]) w.flush();
-    if (stack_.empty()) {  // the forward ends: summarize before the loop can edit its tensors in place
+    if (ts.stack.empty()) {  // the forward ends: summarize before the loop can edit its tensors in place
       w.flush();
       if (info.is_root) {
         auto out = w.rows_.outputs_of(w.rows_.frames[top.frame]);
@@ -724,48 +795,85 @@ class Hooks {
     }
   }
 
-  void reset() { clear_stack(); }
+  void reset() { clear_stack(state()); }
+
+  // Module `idx` was given a child after watch (not hooked: nanscan cannot see what it makes).
+  void set_unwatched_child(int64_t idx) { unwatched_children_.at(idx) = 1; }
 
   void release() { owner_ = py::none(); }
 
-  py::object phase() const { return phase_ == kNone ? py::object(py::none()) : py::object(py::str(phase_name(phase_))); }
+  py::object phase() {
+    const ThreadState& ts = state();
+    return ts.phase == kNone ? py::object(py::none()) : py::object(py::str(phase_name(ts.phase)));
+  }
 
   py::tuple root_outputs() const { return int_tuple(root_outputs_); }
 
  private:
-  Window& window() { return phase_ == kEval ? *eval_ : *forward_; }
+  // The calling thread's state (the GIL is held: one hook runs at a time; a Python callback inside
+  // a hook may let another thread's hooks run, so each entry point holds its own reference).
+  ThreadState& state() {
+    const unsigned long id = PyThread_get_thread_ident();
+    if (id == last_thread_ && last_state_ != nullptr) return *last_state_;
+    std::unique_ptr<ThreadState>& slot = threads_[id];
+    if (!slot) slot = std::make_unique<ThreadState>();
+    last_thread_ = id;
+    last_state_ = slot.get();
+    return *slot;
+  }
 
-  void push_unrecorded() { stack_.push_back({-1, nullptr, 0, input_versions_.size()}); }
+  Window& window(ThreadState& ts) { return ts.phase == kEval ? *eval_ : *forward_; }
 
-  void clear_stack() {
-    stack_.clear();
-    input_versions_.clear();
+  void push_unrecorded(ThreadState& ts) { ts.stack.push_back({-1, nullptr, 0, ts.input_versions.size()}); }
+
+  void clear_stack(ThreadState& ts) {
+    ts.stack.clear();
+    ts.input_versions.clear();
   }
 
   // An outermost watched call starts: the monitor decides the phase and the step (None: not recorded).
-  void begin(int64_t idx, py::handle args, py::handle kwargs) {
-    phase_ = kNone;
+  void begin(ThreadState& ts, int64_t idx, py::handle args, py::handle kwargs) {
+    ts.phase = kNone;
+    ts.forward_window = nullptr;
     if (owner_.is_none()) return;
     py::object decided = owner_.attr("begin")(idx, args, kwargs);
     if (decided.is_none()) return;
     py::tuple pair = decided.cast<py::tuple>();
-    phase_ = pair[0].cast<std::string>() == "eval" ? kEval : kForward;
-    step_ = pair[1].cast<int64_t>();
+    ts.phase = pair[0].cast<std::string>() == "eval" ? kEval : kForward;
+    ts.step = pair[1].cast<int64_t>();
+    Window& w = window(ts);
+    ts.forward_window = &w;
+    ts.forward_generation = w.generation;
+    ts.forward_first_row = w.rows_.rows.size();
+  }
+
+  // The root is called again while frames of its last forward are still on the stack: that forward
+  // raised (a batch the loop skipped, an out-of-memory it caught). What it recorded is not part of
+  // the step -- its outputs fed no backward and no update -- so its rows stay for attribution only
+  // (never an incident: a NaN the loop's own check raised on must not stop the next, clean step).
+  void abort_forward(ThreadState& ts) {
+    Window* w = ts.forward_window;
+    if (w != nullptr && w->generation == ts.forward_generation) {
+      auto& rows = w->rows_.rows;
+      for (size_t r = ts.forward_first_row; r < rows.size(); ++r) rows[r].candidate = false;
+    }
+    ts.forward_window = nullptr;
+    if (!owner_.is_none()) owner_.attr("forward_aborted")();
   }
 
   std::vector<Info> infos_;
   std::vector<uint8_t> post_only_;
+  std::vector<uint8_t> unwatched_children_;  // per module: given a child after watch
   std::shared_ptr<std::vector<uint8_t>> eager_;
   std::shared_ptr<Window> forward_, eval_;
   std::shared_ptr<GradSink> sink_;
   py::object owner_;
-  std::vector<StackEntry> stack_;
-  // The inputs of the running calls and their versions when each began (-1: an inference tensor),
-  // in stack order: post() tells whether its call changed one in place.
-  std::vector<std::pair<const c10::TensorImpl*, int64_t>> input_versions_;
   std::vector<int32_t> root_outputs_;
-  uint8_t phase_ = kNone;
-  int64_t step_ = 0;
+  // Per thread: a thread running eval forwards beside the training loop (a background evaluator)
+  // has its own stack and phase, so its records never join the other thread's calls.
+  std::unordered_map<unsigned long, std::unique_ptr<ThreadState>> threads_;
+  unsigned long last_thread_ = 0;
+  ThreadState* last_state_ = nullptr;
 };
 
 // Hooks.pre / Hooks.post as plain METH_FASTCALL functions bound to one Hooks object: called for
@@ -816,14 +924,23 @@ py::tuple fast_hooks(const std::shared_ptr<Hooks>& hooks) {
 }
 
 // The gradients of `tensors` that exist, in order, and the indices of their tensors; true when every
-// tensor has one.
+// tensor has one. A sparse gradient (nn.Embedding(sparse=True)) is summarized over its stored
+// values, coalesced (duplicate indices summed, as the update sees them): the kernels read strided
+// tensors, and a dense copy of an embedding table's gradient every step is what sparse gradients
+// exist to avoid. Its position goes into `sparse` (the record's shape is the values', not the
+// parameter's).
 bool existing_grads(const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& grads,
-                    std::vector<int64_t>& present) {
+                    std::vector<int64_t>& present, std::vector<int64_t>* sparse = nullptr) {
   grads.reserve(tensors.size());
   for (size_t k = 0; k < tensors.size(); ++k) {
     const at::Tensor& g = tensors[k].grad();
     if (g.defined()) {
-      grads.push_back(g);
+      if (g.layout() == at::kStrided) {
+        grads.push_back(g);
+      } else {
+        grads.push_back(g.is_sparse() ? g.coalesce()._values() : g.values());
+        if (sparse != nullptr) sparse->push_back(static_cast<int64_t>(grads.size() - 1));
+      }
       present.push_back(static_cast<int64_t>(k));
     }
   }
@@ -847,14 +964,21 @@ class TensorSet {
   }
 
   // (records of the gradients that exist or None if none does; None if every tensor has one, else
-  // the indices of those that do).
+  // the indices of those that do; None if none is sparse, else {position among the records: the
+  // values summarized}).
   py::tuple grad_records() const {
     std::vector<at::Tensor> grads;
-    std::vector<int64_t> present;
-    const bool all = existing_grads(tensors_, grads, present);
-    if (grads.empty()) return py::make_tuple(py::none(), py::list());
+    std::vector<int64_t> present, sparse;
+    const bool all = existing_grads(tensors_, grads, present, &sparse);
+    if (grads.empty()) return py::make_tuple(py::none(), py::list(), py::none());
+    py::object sparse_values = py::none();
+    if (!sparse.empty()) {
+      py::dict values;
+      for (int64_t k : sparse) values[py::int_(k)] = py::cast(grads[k]);
+      sparse_values = values;
+    }
     return py::make_tuple(summarize_many_with(summarize_, grads),
-                          all ? py::object(py::none()) : py::object(py::cast(present)));
+                          all ? py::object(py::none()) : py::object(py::cast(present)), sparse_values);
   }
 
   int64_t size() const { return static_cast<int64_t>(tensors_.size()); }
@@ -989,6 +1113,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fast_hooks", [](const std::shared_ptr<Hooks>& self) { return fast_hooks(self); },
            "(pre, post) with the same arguments, as plain functions (no pybind11 dispatch per call)")
       .def("reset", &Hooks::reset)
+      .def("set_unwatched_child", &Hooks::set_unwatched_child, "module idx was given a child after watch")
       .def("set_post_only", &Hooks::set_post_only)
       .def("release", &Hooks::release)
       .def_property_readonly("phase", &Hooks::phase)

@@ -217,13 +217,19 @@ def prepare(bundle, model: torch.nn.Module, precision: Optional[str] = None):
     batch = dict(b.batch)
     batch["args"] = _to(b.batch["args"], device, precision == "fp32")
     batch["kwargs"] = _to(b.batch["kwargs"], device, precision == "fp32")
+    inputs_of = (b.manifest.get("extra") or {}).get("inputs_of")
+    if isinstance(inputs_of, str):
+        batch["inputs_of"] = inputs_of
     restore_rng(b.rng)
     return b, batch, device
 
 
 def default_forward(model, batch):
-    """``model(*args, **kwargs)`` of the recorded batch."""
-    return model(*batch["args"], **batch["kwargs"])
+    """``model(*args, **kwargs)`` of the recorded batch -- or of the submodule whose inputs they are
+    (``inputs_of`` in the manifest's ``extra``: the step's outermost watched call was a submodule's,
+    as in a Lightning ``training_step`` calling ``self.net(x)``)."""
+    target = model.get_submodule(batch["inputs_of"]) if batch.get("inputs_of") else model
+    return target(*batch["args"], **batch["kwargs"])
 
 
 def run_step(model, batch, forward: Optional[Callable], compile_backend: Optional[str]):

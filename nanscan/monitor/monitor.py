@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import glob
 import os
 import weakref
@@ -60,6 +59,8 @@ from nanscan.monitor.readback import Copy
 from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBlock, Slot, at
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
+from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
+from nanscan.monitor.torch_hooks import graph_has_compiled_function, install, unwrap
 from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hooks
 from nanscan.record import RECORD_SIZE
 from nanscan.warn import warn
@@ -104,6 +105,8 @@ class Monitor:
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
+        self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}  # (Note [modules changed after watch])
+        self._recollect = False
         extension = self._extension = _ops.monitor_extension()
         if extension is None:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
@@ -141,6 +144,11 @@ class Monitor:
         self._closed = False
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale / backward record it once)
         self._scaled_ref = None  # the last scaler.scale(loss) result
+        self._clip_unknown = False  # clipped by a norm other than L2 in this step
+        self._higher_order_step = None  # the step a gradient was taken with create_graph=True in
+        self._clip_norms: list = []  # total norms clip_grad_norm_ returned in this step (Note [grad norm before clipping])
+        self._raised = False  # a NonFiniteError was raised (close() then records, never raises)
+        self.opened_by_callback = False  # (an integration's callback opened it: see integrations.transformers)
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._handles: list = []
@@ -192,11 +200,24 @@ class Monitor:
         # Plain (unsharded) parameters are held in C++ for the per-step checks: one call each for
         # their records and their gradients' records (no Python list to convert, no Python object
         # per gradient). The kernels are those of the parameters' device now; a move collects again.
+        self._param_ids = None  # (made when first asked: clip_grad_norm_ tells its parameters by identity)
         self._param_set = None
         if self._param_tensors and not self._sharded:
             self._param_set = self._extension.TensorSet(self._param_tensors, self._summarize_in_cpp())
         self._buffers = [(n, b, self._info_of.get(n.rpartition(".")[0] or ROOT)) for n, b in model.named_buffers()
                          if b.is_floating_point() or b.is_complex()] if self.buffers else []
+
+    def _module_registered(self, parent, name: str, child) -> None:
+        """A module of the model is given a child (Note [modules changed after watch])."""
+        index = self._index_of_module.get(id(parent))
+        if self._closed or index is None or parent._modules.get(name) is child:
+            return
+        self.hooks.cpp.set_unwatched_child(index)
+        self._recollect = True
+        where = f"{self.hooks.infos[index].name}.{name}" if index else name
+        warn(f"nanscan: module {where!r} was set after watch and is not watched: values it makes are "
+             f"'cannot tell' at its parent; its parameters are checked from the next step. Watch the model "
+             f"again (mon.close(); nanscan.watch(...)) to watch it.", RuntimeWarning, stacklevel=4)
 
     def _follow_moves(self) -> None:
         """After ``model.to(...)`` (device or dtype) the buffers are new tensors, and with
@@ -207,6 +228,10 @@ class Monitor:
         move); a move collects them again. Not
         for sharded models: FSDP2 registers unsharded parameters in place of the sharded ones for
         a while; they are not a move."""
+        if self._recollect:
+            self._recollect = False
+            self._collect_tensors()
+            return
         if self._sharded:
             return
         for attributes, key, value in self._first_chain:  # (a few dict lookups, not a walk of the model)
@@ -295,12 +320,15 @@ class Monitor:
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
         if self.headroom is not None:
             self.headroom.note_autocast(self.step_index, self._model_device().type)
-        # The step's first forward of the whole model -- or its first in train mode, after forwards
-        # in eval mode with grad enabled (a validation pass without no_grad): the batch it trained on.
-        if info.is_root and (not self._root_seen or (self._root_seen == "eval" and module.training)):
+        # The step's first outermost watched call -- the model, or the watched module a step calls
+        # when the model is a wrapper (Lightning's `self.net(x)` in training_step) -- or its first in
+        # train mode, after forwards in eval mode with grad enabled (a validation pass without
+        # no_grad): the inputs it trained on. (Every outermost call comes here: a nested one does not.)
+        if not self._root_seen or (self._root_seen == "eval" and module.training):
             self._root_seen = True if module.training else "eval"
             if self.capture_dir is not None and self.checking and not self._explicit:
-                self._capturer.remember(self.step_index, forward_inputs=(args, kwargs))
+                self._capturer.remember(self.step_index, forward_inputs=(args, kwargs),
+                                        inputs_of=None if info.is_root else info.name)
             else:
                 self._capturer.note_autocast(self.step_index)
         self._forward_seen = True
@@ -443,8 +471,10 @@ class Monitor:
                     update = {True: "applied", False: "skipped", None: None}[self._applied]
                 lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
                 self.steplog.ended(step, update, lr if isinstance(lr, (int, float)) else None)
+                # (Records that come with a later read -- parameters after the update, async mode's
+                # one-read delay -- arrive with the next *checked* step's read, `every` steps later.)
                 lag = (1 if (self.params and self.optimizer is not None) else 0) + (1 if self.mode == "async" else 0)
-                self.steplog.flush(before=step + 1 - lag)
+                self.steplog.flush(before=step + 1 - lag * self.every)
             self.step_index += 1
             self.checking = self.step_index % self.every == 0
             self.traced.set_recording()
@@ -489,7 +519,8 @@ class Monitor:
 
     def check_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Records the loss (phase ``"loss"``; its inputs are the model's outputs); returns it.
-        Optional: with a GradScaler, ``scaler.scale(loss)`` records it already."""
+        Optional: ``loss.backward()`` records it already (Note [the loss is what backward is called
+        on]), and so does ``scaler.scale(loss)``; for a loop that calls ``torch.autograd.backward``."""
         if self.checking and not self._closed and isinstance(loss, torch.Tensor):
             if self._loss_ref is not None and self._loss_ref() is loss:  # recorded already
                 return loss
@@ -503,18 +534,37 @@ class Monitor:
             self.slots.add(loss, slot)
         return loss
 
+    def _clipped(self, parameters: list, total_norm, norm_type) -> None:
+        """``clip_grad_norm_`` ran (Note [grad norm before clipping])."""
+        if self._closed or not self.checking or self.steplog is None or not isinstance(total_norm, torch.Tensor):
+            return
+        if self._param_ids is None:
+            self._param_ids = frozenset(id(p) for p in self._param_tensors)
+        if not any(id(p) in self._param_ids for p in parameters):
+            return  # another model's
+        if float(norm_type) != 2.0:
+            self._clip_norms = []  # (not the L2 norm the log reports: the step's grad_norm is unknown)
+            self._clip_unknown = True
+            return
+        local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
+        self._clip_norms.append((local() if callable(local) else total_norm).detach())
+
+    def _higher_order(self) -> None:
+        """A gradient was taken with ``create_graph=True`` in this step (a gradient penalty, MAML):
+        the backward of that graph runs through nodes no module owns, so a parameter gradient's
+        value is no longer explained by its module's output gradients and inputs: "cannot tell"
+        where it was produced (never its module's)."""
+        self._higher_order_step = self.step_index
+
     def _backward_called(self, tensor: torch.Tensor) -> None:
         """``tensor.backward()`` was called (Note [the loss is what backward is called on])."""
         if self._closed or not self.checking or tensor.numel() != 1 or not tensor.is_floating_point():
             return
         if self._scaled_ref is not None and self._scaled_ref() is tensor:
             return  # scaler.scale(loss).backward(): the loss was recorded, unscaled, by scale()
-        if self.hooks.recorded_forward or self._forward_seen:
-            self.check_loss(tensor)
-        elif _graph_has_compiled_function(tensor.grad_fn):
-            self._unhooked_graph = True  # a graph compiled before watch: its hooks never run
-        else:
-            self.check_loss(tensor)  # (a loss of the parameters alone: recorded, origin unknown)
+        if not self.hooks.recorded_forward and graph_has_compiled_function(tensor.grad_fn):
+            self._unhooked_graph = True  # (a graph compiled before watch, whose hooks never run: _check_hooks_ran)
+        self.check_loss(tensor)  # (with no forward recorded: a loss of the parameters alone, origin unknown)
 
     def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
                 step: Optional[int] = None) -> str:
@@ -562,11 +612,15 @@ class Monitor:
         releases the model."""
         if self._closed:
             return
+        # After an incident was raised, what close still finds (async mode's late read of that step,
+        # values that followed from it) is recorded, never raised: a second NonFiniteError from a
+        # `finally: mon.close()` would replace the first.
+        raise_incident = None if self._raised else True
         try:
             if self.checking and (self._forward_seen or self._backward_seen()) and not self._read_this_step:
-                self._read(before_update=False, final=True)
+                self._read(before_update=False, final=True, raise_incident=raise_incident)
             elif len(self.slots) or self._in_flight is not None or self.traced.used:
-                self._read(before_update=False, final=True, include_grads=False)
+                self._read(before_update=False, final=True, include_grads=False, raise_incident=raise_incident)
         finally:
             self._closed = True
             self.traced.set_recording()
@@ -600,8 +654,9 @@ class Monitor:
         gradients of its module's outputs and the module's forward inputs in this window (``rows``:
         the window's hook records, or None)."""
         names, owners = self._param_names, self._param_owners
+        sparse = None
         if self._param_set is not None:  # (C++: no Python per parameter)
-            records, present = self._param_set.grad_records()
+            records, present, sparse = self._param_set.grad_records()
             grads = self._param_tensors  # (a gradient's dtype and shape are its parameter's)
         else:  # sharded: each rank's local shards
             records = None
@@ -613,6 +668,10 @@ class Monitor:
             owners = [owners[k] for k in present]
             if self._param_set is not None:
                 grads = [grads[k] for k in present]
+        if sparse:  # a sparse gradient's record is of its (coalesced) values: their dtype and shape
+            grads = list(grads)
+            for position, values in sparse.items():
+                grads[position] = values
         if records is None:
             grads = distributed.local_shards(grads)
             records = self._summarize_many(grads)
@@ -623,8 +682,9 @@ class Monitor:
 
         # Without the gradients of module outputs, the gradient a weight received is unknown:
         # no inputs, so "produced" is None rather than judged from the forward inputs alone.
+        explained = self.activation_grads and self._higher_order_step != self.step_index
         return records, Block(self.step_index, "backward", "grad", names, grads, owners,
-                                                  inputs=inputs if self.activation_grads else None, param=True)
+                              inputs=inputs if explained else None, param=True)
 
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
@@ -661,9 +721,18 @@ class Monitor:
             extras.append(("scale", scale))
         if found_inf is not None:
             extras.append(("found_inf", found_inf))
+        clip_norms, self._clip_norms = self._clip_norms, []
+        if self._clip_unknown and self.steplog is not None:
+            self.steplog.clip_norm(self.step_index, None)
+        self._clip_unknown = False
+        if clip_norms and include_grads and self.steplog is not None:
+            total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
+                [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
+            extras.append(("clip_norm", total))
         copy = Copy.start(blocks, slots, extras, self.traced.window(), handled=handled, step=self.step_index,
                           non_blocking=self.mode == "async" and not final, window_rows=len(self.traced.rows))
         copy.recorded_forward = recorded_forward
+        copy.final = final
         copy.grad_start = grad_start
         self.traced.reset()
         # The earlier read first: its records were made first (async mode decodes a read late).
@@ -698,7 +767,10 @@ class Monitor:
         copy.wait()
         slots, step, handled = copy.slots, copy.step, copy.handled
         for what, value in copy.extras.items():
-            if what == "scale":
+            if what == "clip_norm":
+                if self.steplog is not None:
+                    self.steplog.clip_norm(step, value)
+            elif what == "scale":
                 self.ledger.scale_history.append((step, value))
                 if self.steplog is not None:
                     self.steplog.scale(step, value)
@@ -770,6 +842,7 @@ class Monitor:
             warn(str(report) + self._also(slots, row, bad, report, position), RuntimeWarning, stacklevel=3)
             return
         error = NonFiniteError(report)
+        self._raised = True
         error.bundle_path = self.bundle_path
         if self.bundle_path:
             attach_note(error, f"nanscan wrote the failure bundle: {self.bundle_path}")
@@ -852,9 +925,11 @@ class Monitor:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:
         typically the model was torch.compile-d *before* nanscan.watch, and the compiled graph never
         calls hooks added later. Attribution would then be wrong, so refuse loudly."""
+        unhooked, self._unhooked_graph = self._unhooked_graph, False
         if not self.activations or copy.recorded_forward or (copy.traced and any(copy.traced)):
             return
-        unhooked, self._unhooked_graph = self._unhooked_graph, False
+        if getattr(copy, "final", False):  # (close, at exit: what is left of a step that already ended)
+            return
         if self._loss_ref is not None and not unhooked and self._loss_ref() is not None:
             return  # a loss recorded at its backward with no forward: of the parameters alone, origin unknown
         if any(type(s) is Block and s.param for s in slots[-1:]) or any(
@@ -866,71 +941,6 @@ class Monitor:
                 "without calling the watched model gives this error too.)")
 
 
-# Note [the loss is what backward is called on]: a watched training step's loss is recorded (phase
-# "loss", its inputs the model's outputs) however the loop computes it -- inside the model (HF
-# ``output.loss``), outside it (``F.cross_entropy(model(x), y) + penalty``), through
-# ``accelerator.backward``, Lightning or HF Trainer: all of them end in ``Tensor.backward``, which
-# is wrapped once, at the first ``watch``, to tell every open monitor. It records a floating
-# scalar in a checked step; ``check_loss`` stays for the rare loop that calls
-# ``torch.autograd.backward`` / ``torch.autograd.grad`` itself. While dynamo traces, the wrapper is
-# the plain call (nothing of it enters a graph).
-_original_backward = None
-
-
-def _install_backward_hook() -> None:
-    global _original_backward
-    if _original_backward is not None:
-        return
-    _original_backward = original = torch.Tensor.backward
-    compiling = torch.compiler.is_compiling
-
-    @functools.wraps(original)
-    def backward(self, *args, **kwargs):
-        if _WATCHED and not compiling():
-            for monitor in list(_WATCHED.values()):
-                try:
-                    monitor._backward_called(self)
-                except Exception as error:  # nanscan's own failure never stops training
-                    warn(f"nanscan: recording the loss at backward failed: {error!r}", RuntimeWarning)
-        return original(self, *args, **kwargs)
-
-    torch.Tensor.backward = backward
-
-
-def _graph_has_compiled_function(node, limit: int = 4096) -> bool:
-    """Whether an autograd graph holds a node of a compiled graph (``CompiledFunctionBackward``):
-    asked only in a step whose forward recorded nothing, to tell a model compiled before it was
-    watched (its hooks never run) from a loss of the parameters alone."""
-    stack, seen = [node], set()
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if "CompiledFunction" in type(n).__name__:
-            return True
-        stack.extend(f for f, _ in getattr(n, "next_functions", ()))
-    return False
-
-
-def _unwrap(optimizer, scaler):
-    """The torch optimizer (and its GradScaler) inside a wrapper users pass as their optimizer --
-    accelerate's ``AcceleratedOptimizer`` (``accelerator.prepare``): a torch ``Optimizer`` subclass
-    that never ran ``Optimizer.__init__`` (no hooks of its own) and holds the real one as
-    ``.optimizer`` and, with fp16, its scaler as ``.scaler``. Its ``step`` steps the inner
-    optimizer (through the scaler), so the inner one's hooks see every update."""
-    for _ in range(4):  # (a wrapper of a wrapper)
-        inner = getattr(optimizer, "optimizer", None)
-        if (optimizer is None or inner is None or inner is optimizer or "_optimizer_step_pre_hooks" in vars(optimizer)
-                or not callable(getattr(inner, "register_step_pre_hook", None))):
-            break
-        if scaler is None and callable(getattr(getattr(optimizer, "scaler", None), "step", None)):
-            scaler = optimizer.scaler
-        optimizer = inner
-    return optimizer, scaler
-
-
-_WATCHED: dict = {}  # id(model) -> its open Monitor
 
 
 @atexit.register
@@ -982,9 +992,15 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
     raised (AMP handled them): they are recorded and counted in ``mon.ledger``. Non-finite forward
     activations or losses are incidents even then: loss scaling cannot fix them. ``allow``: fnmatch
     patterns of names allowed to be non-finite (e.g. ``"*.attn_mask"``). ``eval_forwards``: forwards
-    outside training (``no_grad``, ``inference_mode``, ``model.eval()``) are ``"check"``-ed as phase
+    outside training (``no_grad``, ``inference_mode``; a forward with grad enabled is training
+    whatever ``model.training`` says: Note [training forwards]) are ``"check"``-ed as phase
     ``"eval"`` and warned about (default), ``"raise"`` like training incidents, or ``"skip"``-ped.
-    Watch before ``torch.compile``.
+    Watch before ``torch.compile``. The loss is the tensor the step calls ``.backward()`` on
+    (Note [the loss is what backward is called on]); the logged grad norm is the one before
+    clipping (Note [grad norm before clipping]). Every option is validated here: a wrong type or
+    value is a ``TypeError`` / ``ValueError`` naming what is accepted. ``optimizer`` may be
+    accelerate's ``AcceleratedOptimizer`` (its torch optimizer, and its GradScaler when ``scaler``
+    is None, are used).
 
     ``capture_dir``: at the first reported incident, write a failure bundle there
     (``step000123-rank0``; see :mod:`nanscan.capture.bundle`) with the batch (the root module's
@@ -1019,7 +1035,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                          "never run inside the compiled graph. Call nanscan.watch(model) first, then model.compile()")
     if not any(True for _ in model.parameters()):
         raise ValueError("nanscan.watch: the model has no parameters; there is nothing to train or watch")
-    optimizer, scaler = _unwrap(optimizer, scaler)
+    optimizer, scaler = unwrap(optimizer, scaler)
     if optimizer is not None and not (callable(getattr(optimizer, "register_step_pre_hook", None))
                                       and hasattr(optimizer, "param_groups")):
         raise TypeError(f"nanscan.watch: optimizer must be a torch.optim.Optimizer (or None), got "
@@ -1100,6 +1116,6 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                       on_nonfinite=on_nonfinite, allow=tuple(allow), backend=backend, capture_dir=capture_dir,
                       keep_pre_update_state=keep_pre_update_state, log=log, eval_forwards=eval_forwards,
                       headroom_bits=headroom_bits, headroom_cast=headroom_cast)
-    _install_backward_hook()
+    install()
     _WATCHED[id(model)] = monitor
     return monitor

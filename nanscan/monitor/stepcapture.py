@@ -32,7 +32,7 @@ class StepCapture:
         self.bundle_step: Optional[int] = None
         self.warned: set = set()  # the kinds of batch loss warned about (once per monitor each)
 
-    def remember(self, step: int, batch=None, forward_inputs=None) -> None:
+    def remember(self, step: int, batch=None, forward_inputs=None, inputs_of: Optional[str] = None) -> None:
         """Keep what the bundle of ``step`` needs: ``batch`` (given to ``mon.step(batch)``) or the
         root module's ``forward_inputs`` ``(args, kwargs)`` of the step's first forward (never
         raises: what cannot be stored is dropped, warned once per monitor)."""
@@ -54,7 +54,7 @@ class StepCapture:
             kept = B.clone_batch(batch) if batch is not None else None
         for kind, message in B.batch_notices(kept):
             self._warn_once(kind, message)
-        self.saved[step] = {"batch": kept, "rng": B.capture_rng(),
+        self.saved[step] = {"batch": kept, "rng": B.capture_rng(), "inputs_of": inputs_of,
                             "autocast": B.autocast_state(), "pre_state": pre_state, "training": self.model.training}
         for old in [k for k in self.saved if k < step - 1]:
             del self.saved[old]
@@ -105,6 +105,7 @@ class StepCapture:
             state_when="before-update" if before else "after-update", training=saved["training"],
             autocast=saved["autocast"], precision=B.model_precision(self.model),
             incident=incident.to_dict() if incident is not None else None,
-            step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state})
+            step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state,
+                              **({"inputs_of": saved["inputs_of"]} if saved.get("inputs_of") else {})})
         self.bundle_step = step
         return self.bundle_path

@@ -119,6 +119,14 @@ class StepLog:
         fields = {("record_kind" if k == "kind" else k): v for k, v in event.to_dict().items() if k not in ("step", "rank")}
         self._write(lambda: self.log.event("headroom", event.step, **fields))
 
+    def clip_norm(self, step: int, value: Optional[float]) -> None:
+        """The total norm ``clip_grad_norm_`` returned in ``step`` (before clipping): the step's
+        ``grad_norm``, since the gradients read before the update are the clipped ones. None: it
+        clipped by another norm than L2, so the L2 norm before clipping is unknown."""
+        e = self._entry(step)
+        if e is not None:
+            e["clip_norm"] = "unknown" if value is None else value
+
     def scale(self, step: int, value: float) -> None:
         e = self._entry(step)
         if e is not None:
@@ -152,7 +160,9 @@ class StepLog:
             if not e["ended"] and (before is not None or not e["read"]):
                 continue
             grad_norm = None
-            if e["grad_bad"] == "nan":
+            if e.get("clip_norm") is not None:  # (clipped in this step: the norm before clipping)
+                grad_norm = None if e["clip_norm"] == "unknown" else e["clip_norm"]
+            elif e["grad_bad"] == "nan":
                 grad_norm = math.nan
             elif e["grad_bad"]:
                 grad_norm = math.inf
