@@ -676,3 +676,51 @@ def test_a_backward_fault_armed_by_a_recompile_is_named_like_eager(backend, who)
     eager, compiled = eager_and_compiled(make, 4, plant, dict(backend=backend))
     assert key(eager) == (2, "backward", "blocks.1.sq", "grad", True)
     assert incident_tuple(compiled) == incident_tuple(eager)
+
+
+WARM_RUN = r"""
+import json
+import torch, nanscan
+from tests.test_monitor_compiled import SqNet, key
+from torch._dynamo.utils import counters
+out = {}
+for fault in ("forward", "backward"):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = SqNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record")
+    fwd = torch.compile(model, backend="inductor")
+    with mon:
+        for i in range(3):
+            model.fault = i == 1 and fault == "backward"
+            x = torch.randn(4, 8)
+            if i == 1 and fault == "forward":
+                x[0, 0] = float("inf")
+            fwd(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    out[fault] = list(key(mon.incident))
+out["hits"] = counters["inductor"].get("fxgraph_cache_hit", 0)
+print(json.dumps(out))
+"""
+
+
+def test_a_watched_compiled_rerun_is_served_by_inductors_cache_and_answers_the_same(tmp_path):
+    # Note [compiled graphs cached]: a fresh process with a warm cache replays the cached graphs
+    # (no new compile) and names the same incidents as the cold run.
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               PYTHONPATH=str(pathlib.Path(__file__).parent.parent))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", WARM_RUN], env=env, capture_output=True, text=True,
+                                      check=True, timeout=900).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    cold, warm = runs
+    assert cold["forward"] == warm["forward"] == [1, "forward", "inp", "activation", False]
+    assert cold["backward"] == warm["backward"] == [1, "backward", "sq", "grad", True]
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
+        assert warm["hits"] > 0

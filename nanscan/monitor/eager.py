@@ -323,7 +323,7 @@ class EagerHooks:
         traced, pre, index = self.monitor.traced, self._pre, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
-        row, owner = info.row_base, id(traced)
+        row, owner = info.row_base, traced.owner
 
         if info.leaf:  # (its inputs are stamped by its hook, with its outputs)
             def pre_hook(_token, module, args, kwargs):
@@ -349,7 +349,7 @@ class EagerHooks:
         traced, cpp, post, index = self.monitor.traced, self.cpp, self._post, info.index
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
-        row, owner = info.row_base + traced.INPUTS, id(traced)  # (its first output row)
+        row, owner = info.row_base + traced.INPUTS, traced.owner  # (its first output row)
         grad_hook = traced.grad_hook(info, 0) if traced.grad_hooks else None  # (the gradient into its output)
 
         if info.is_root:

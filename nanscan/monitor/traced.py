@@ -61,6 +61,7 @@ the step sampled: dynamo guards on both, so an eval forward runs a graph of its 
 """
 from __future__ import annotations
 
+import itertools
 import sys
 from typing import Optional
 
@@ -79,7 +80,7 @@ MAX_DIMS = 6
 SEQ, WRITES, NUMEL, NDIM, DIMS = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2, RECORD_SIZE + 3, RECORD_SIZE + 4
 COLUMNS = DIMS + MAX_DIMS
 
-_NOTES: dict = {}  # (id(TracedRows), row) -> (label or None, dtype), noted at trace time
+_NOTES: dict = {}  # (owner, row) -> (label or None, dtype), noted at trace time
 
 
 def _hooks_trace_into_graphs() -> bool:
@@ -108,23 +109,24 @@ def _note(owner: int, row: int, label, dtype) -> int:
     return 0
 
 
-_TRACED: set = set()  # id(TracedRows) of those whose hooks were traced into some graph
+_OWNERS = itertools.count(1)  # TracedRows.owner
+_TRACED: set = set()  # owner of the TracedRows whose hooks were traced into some graph
 
 
-_SHAPES: dict = {}  # (id(TracedRows), row) -> static shape, noted at trace time
+_SHAPES: dict = {}  # (owner, row) -> static shape, noted at trace time
 
 
 _LABEL_SEP = "\x1f"
 # Ends a stamp's labels when the module had more floating inputs than its INPUTS rows: the modules
 # that took a value as such an input are not known, so neither is a value's set of consumers.
 _MORE_INPUTS = "\x1e"
-_PARTIAL_TRACES: set = set()  # (id(TracedRows), trace) that stamped a module with inputs left out
+_PARTIAL_TRACES: set = set()  # (owner, trace) that stamped a module with inputs left out
 
 
 # Version counters of the (fake) tensors the traced stamps have seen, and the post-time input rows
 # that cannot be trusted (see _noted_at_trace).
 _VERSIONS = torch.utils.weak.WeakIdKeyDictionary()
-_UNTRUSTED: set = set()  # (id(TracedRows), row)
+_UNTRUSTED: set = set()  # (owner, row)
 
 # Which module took which recorded output as an input (dynamo's fake tensors have identity while a
 # graph is traced; the compiled graph has none): the gradient flowing into an output was made by
@@ -133,12 +135,12 @@ _UNTRUSTED: set = set()  # (id(TracedRows), row)
 # graphs of different structure (a recompile), and only the notes of the graph that ran apply. Which
 # one ran is read from the rows themselves: a trace's forward rows, in the order it stamped them,
 # are a contiguous run of the rows written in the window (see TracedRows._traces_that_ran).
-_MADE_AT = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor -> {(id(TracedRows), output row)}: a
+_MADE_AT = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor -> {(owner, output row)}: a
 # child's output that its parent returns unchanged is in two output rows
-_CONSUMERS: dict = {}  # (id(TracedRows), output row) -> {trace: names of the modules that took it as an input}
-_EXPLAINED: dict = {}  # (id(TracedRows), input row) -> {trace: the output rows whose value it took}
-_TRACE_ROWS: dict = {}  # (id(TracedRows), trace) -> the forward rows the trace stamped, in order
-_NEEDS_GRAD: set = set()  # (id(TracedRows), output row) of outputs that required grad when traced
+_CONSUMERS: dict = {}  # (owner, output row) -> {trace: names of the modules that took it as an input}
+_EXPLAINED: dict = {}  # (owner, input row) -> {trace: the output rows whose value it took}
+_TRACE_ROWS: dict = {}  # (owner, trace) -> the forward rows the trace stamped, in order
+_NEEDS_GRAD: set = set()  # (owner, output row) of outputs that required grad when traced
 
 
 def _trace_id():
@@ -270,7 +272,7 @@ class _RowInfo:
         self.post_time = False  # an input row of a leaf, stamped after its forward (see _noted_at_trace)
 
 
-_ROWS: dict = {}  # id(TracedRows) -> TracedRows, for the taps' backward and the trace-time notes
+_ROWS: dict = {}  # TracedRows.owner -> TracedRows, for the taps' backward and the trace-time notes
 
 
 def _mark_leaves(infos: list, compiled_grads: bool) -> None:
@@ -310,11 +312,37 @@ class _Tap(torch.autograd.Function):
         return grad, None, None
 
 
+# Note [compiled graphs cached]: the stamp op is effectful (Note in _ops.py), so inductor sees it
+# inside a ``with_effects`` higher-order op, which it does not cache by default: a watched model's
+# graphs were compiled anew in every process (a warm re-run took several times the unwatched one's
+# time to its first step). Replaying a cached graph is sound here: the stamp's arguments are the
+# values, the rows and ``owner`` -- a per-process count, the same in every run of a script, never
+# id() --, and where it writes is looked up at run time (``set_stamp_target``). So nanscan marks
+# ``with_effects`` cacheable through inductor's own knob for it, keyed by torch's and nanscan's
+# versions. (Other effectful ops in the process are then cached too: torch's own effectful ops
+# are the print / profiler kind, whose effect tokens AOT autograd threads the same way.)
+def mark_effects_cacheable() -> None:
+    try:
+        import torch._inductor.config as inductor_config
+        from nanscan import __version__
+
+        marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+        if isinstance(marked, dict):
+            marked.setdefault("torch.ops.higher_order.with_effects", f"{torch.__version__} nanscan {__version__}")
+    except Exception:  # pragma: no cover - a torch without the knob: graphs are compiled anew
+        pass
+
+
 class TracedRows:
     INPUTS, OUTPUTS = INPUTS, OUTPUTS
 
     def __init__(self, monitor, infos: list, kernels_for):
         self.monitor = monitor
+        # Names this object in the graphs (the stamp op's `owner` constant) and the trace-time notes.
+        # A count, not id(): the same in every run of the same script, so a compiled graph is the same
+        # graph in a fresh process and inductor's caches serve it (Note [compiled graphs cached]).
+        self.owner = next(_OWNERS)
+        mark_effects_cacheable()
         self.kernels_for = kernels_for  # device -> (summarize one, summarize many)
         # The ops for the buffer's device, fixed at allocate: no lookup to guard on.
         self.record_one = self.record_many = None
@@ -361,7 +389,7 @@ class TracedRows:
             for k in range(OUTPUTS):  # (with hooks, candidates: named after the output's consumer, see slots)
                 self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), self.grad_hooks, False, True, k,
                                           "backward", "grad", module=info))
-        _ROWS[id(self)] = self
+        _ROWS[self.owner] = self
 
     def allocate(self, device) -> None:
         if self.buffer is None or self.buffer.device != device:
@@ -371,7 +399,7 @@ class TracedRows:
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
             self.record_one, self.record_many = self.kernels_for(device)
             self.default_kernels = self.record_many is torch.ops.nanscan.summarize_many.default
-            self.monitor._extension.set_stamp_target(id(self), self.buffer, self.counter)
+            self.monitor._extension.set_stamp_target(self.owner, self.buffer, self.counter)
             self.set_recording()
 
     def set_recording(self) -> None:
@@ -386,7 +414,7 @@ class TracedRows:
         (row label ``label``; "" for the row's own name) -- registered by the traced hooks on the
         output, traced by dynamo into the graph (``GRAD_HOOKS``), run in its backward."""
         row = info.row_base + INPUTS + OUTPUTS + INPUTS + k
-        stamp, owner = torch.ops.nanscan.stamp, id(self)
+        stamp, owner = torch.ops.nanscan.stamp, self.owner
 
         def record_grad(grad):
             # (The common case in as few lines as the hooks' fast path: dynamo traces this body
@@ -401,19 +429,19 @@ class TracedRows:
     @property
     def used(self) -> bool:
         """A traced hook was compiled (the buffer is worth reading)."""
-        return id(self) in _TRACED
+        return self.owner in _TRACED
 
     def forget(self) -> None:
         self.recording = self.stamping = False
         if self.buffer is not None:
-            self.monitor._extension.set_stamp_target(id(self), None, None)
+            self.monitor._extension.set_stamp_target(self.owner, None, None)
         for keys in (_UNTRUSTED, _NEEDS_GRAD, _PARTIAL_TRACES):
-            keys.difference_update([k for k in keys if k[0] == id(self)])
+            keys.difference_update([k for k in keys if k[0] == self.owner])
         for notes in (_NOTES, _SHAPES, _CONSUMERS, _EXPLAINED, _TRACE_ROWS):
-            for key in [k for k in notes if k[0] == id(self)]:
+            for key in [k for k in notes if k[0] == self.owner]:
                 del notes[key]
-        _ROWS.pop(id(self), None)
-        _TRACED.discard(id(self))
+        _ROWS.pop(self.owner, None)
+        _TRACED.discard(self.owner)
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
@@ -431,7 +459,7 @@ class TracedRows:
         # (The default kernels summarize inside the op, values on another device than the buffer
         # included: dynamo traces every line here at every module call.)
         records = None if self.default_kernels else self._records_of(values)
-        torch.ops.nanscan.stamp(values, records, id(self), first_row, labels)
+        torch.ops.nanscan.stamp(values, records, self.owner, first_row, labels)
         for k, t in enumerate(values):
             if type(t.numel()) is not int:  # a symbolic shape: written at run time (static ones are noted)
                 self.write_shape(first_row + k, t)
@@ -515,8 +543,8 @@ class TracedRows:
                         labels.append(f"{info.name}.{lab}" if info.is_root else "")
                         values.append(t)
                         if t is value and t.requires_grad and compiled_grads:
-                            _note(id(self), grad_base + k, None, t.dtype)
-                            container[i] = _Tap.apply(t, id(self), grad_base + k)
+                            _note(self.owner, grad_base + k, None, t.dtype)
+                            container[i] = _Tap.apply(t, self.owner, grad_base + k)
                     k += 1
         more = _MORE_INPUTS if k > INPUTS and not info.is_root else ""  # (the root's inputs are the batch)
         self._write_rows(base, values, _LABEL_SEP.join(labels) + more)  # (the inputs as they came in, before any tap)
@@ -542,16 +570,16 @@ class TracedRows:
             return None
         if isinstance(output, torch.Tensor):
             if output.requires_grad and (output.is_floating_point() or output.is_complex()):
-                _note(id(self), grad_base, f"{info.name} (output grad)", output.dtype)
-                return _Tap.apply(output, id(self), grad_base)
+                _note(self.owner, grad_base, f"{info.name} (output grad)", output.dtype)
+                return _Tap.apply(output, self.owner, grad_base)
             return None
         if type(output) in (tuple, list):
             tapped, k = list(output), 0
             for i, value in enumerate(output):
                 if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
                     if k < OUTPUTS and value.requires_grad:
-                        _note(id(self), grad_base + k, f"{info.name}[{i}] (output grad)", value.dtype)
-                        tapped[i] = _Tap.apply(value, id(self), grad_base + k)
+                        _note(self.owner, grad_base + k, f"{info.name}[{i}] (output grad)", value.dtype)
+                        tapped[i] = _Tap.apply(value, self.owner, grad_base + k)
                     k += 1
                 else:
                     k += len(float_tensors(value, "", []))
@@ -596,7 +624,7 @@ class TracedRows:
         (``consumers``, noted while the graph was traced): attribution then names the gradient
         after its consumer, as in eager."""
         slots, records, index_of_row, weight_inputs = [], [], {}, {}
-        owner = id(self)
+        owner = self.owner
         for row, v in sorted(written, key=lambda rv: rv[1][SEQ]):
             if row >= len(self.rows):
                 continue
@@ -642,7 +670,7 @@ class TracedRows:
             v = records[index - offset]
             if not v[0] + v[1] + v[2] > 0:
                 continue
-            notes = _EXPLAINED.get((id(self), row))
+            notes = _EXPLAINED.get((self.owner, row))
             made = set().union(*(rows for trace, rows in notes.items() if trace in ran)) if notes else set()
             if not made:
                 if slots[index - offset].derived:
@@ -668,10 +696,10 @@ class TracedRows:
                 slots[index - offset].grad_of = forward
                 slots[forward - offset].grad = index
         calls = {}  # consumer module name -> Call
-        if any((id(self), trace) in _PARTIAL_TRACES for trace in ran):
+        if any((self.owner, trace) in _PARTIAL_TRACES for trace in ran):
             return  # (a module took inputs that were not stamped: no value's consumers are known)
         for row, index in index_of_row.items():
-            notes = _CONSUMERS.get((id(self), row))
+            notes = _CONSUMERS.get((self.owner, row))
             if not notes:
                 continue
             names = set().union(*(names for trace, names in notes.items() if trace in ran))
@@ -694,7 +722,7 @@ class TracedRows:
         position = {row: i for i, row in enumerate(written)}
         ran = set()
         for (owner, trace), stamped in _TRACE_ROWS.items():
-            if owner != id(self) or not stamped:
+            if owner != self.owner or not stamped:
                 continue
             rows = list(dict.fromkeys(reversed(stamped)))[::-1]  # (each row at its last stamp)
             start = position.get(rows[0])
@@ -706,5 +734,5 @@ class TracedRows:
         first = info.row_base + INPUTS
         rows = [r for r in range(first, first + OUTPUTS) if r in index_of_row]
         outputs = [index_of_row[r] for r in rows]
-        complete = all(slots[index_of_row[r] - offset].grad is not None for r in rows if (id(self), r) in _NEEDS_GRAD)
+        complete = all(slots[index_of_row[r] - offset].grad is not None for r in rows if (self.owner, r) in _NEEDS_GRAD)
         return Call(info, outputs, complete)
