@@ -1,4 +1,4 @@
-"""What the monitor keeps per step stays bounded however long the run (issue 27, items 20 and 21):
+"""What the monitor keeps per step stays bounded however long the run:
 the step log holds entries only for checked steps still to be written -- eval forwards in unchecked
 steps make none -- and writes them in step order; the AMP ledger keeps the loss scale's changes,
 not one entry per step."""
@@ -118,3 +118,33 @@ def test_a_steady_loss_scale_is_one_entry_and_a_skip_adds_the_halved_one():
     assert (ledger.attempted, ledger.applied, ledger.skipped_steps) == (211, 210, [200])
     assert ledger.scale_history == [(0, 1024.0), (201, 512.0)]  # the first step at the halved scale
     assert ledger.to_dict()["scale_history"] == [[0, 1024.0], [201, 512.0]]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_with_every_the_update_counts_reach_their_steps_record(tmp_path, mode):
+    # The parameters after a checked step's update are read with the next *checked* step's copy,
+    # `every` steps later: the step's record waits for them, in sync and async mode alike.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = {"i": 0}
+
+    def plant(optimizer, args, kwargs):  # (registered before watch: runs before nanscan's post-hook)
+        if step["i"] == 10:
+            with torch.no_grad():
+                model[0].weight[0, 0] = NAN
+
+    opt.register_step_post_hook(plant)
+    path = tmp_path / "events.jsonl"
+    with nanscan.watch(model, opt, every=10, log=str(path), mode=mode, on_nonfinite="record"):
+        for i in range(25):
+            step["i"] = i
+            if i == 11:
+                with torch.no_grad():
+                    model[0].weight[0, 0] = 0.0
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    records = {e["step"]: e for e in _step_records(path)}
+    assert sorted(records) == [0, 10, 20]
+    assert records[10]["nonfinite"]["update"] >= 1
+    assert records[0]["nonfinite"]["update"] == 0
