@@ -165,13 +165,15 @@ def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
     torch.testing.assert_close(held.records(), expected, rtol=0, atol=0, equal_nan=True)
     assert held.grad_records()[0] is None  # no gradient yet
     params[1].grad = torch.tensor([float("nan"), 2.0])
-    records, present = held.grad_records()
+    records, present, sparse = held.grad_records()
+    assert sparse is None
     assert present == [1]
     torch.testing.assert_close(records, torch.ops.nanscan.summarize_many([params[1].grad]), rtol=0, atol=0,
                                equal_nan=True)
     for p in params:
         p.grad = torch.ones_like(p)
-    records, present = held.grad_records()
+    records, present, sparse = held.grad_records()
+    assert sparse is None
     assert present is None and records.shape == (3, 8)
     with torch.no_grad():
         params[0].data = torch.full((5,), float("nan"))  # (module.to: the same tensor, new data)

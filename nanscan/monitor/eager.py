@@ -180,10 +180,11 @@ _LEAVES = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis), sl
 def children(value) -> Optional[list]:
     """``(key, item)`` pairs of a module output of a type the C++ walk does not know (it knows
     tensors, tuples, lists, dicts and mappings), as torch's pytree would walk it: a dataclass's
-    fields, a pytree-registered type's children (by position); ``[]`` for a value that holds no
-    tensor; None for one nanscan cannot see into (a generator, an object of another type) -- the
-    caller's values computed from it are then "cannot tell". Called by ``gather`` in
-    csrc/monitor/recorder.cpp, only for such values."""
+    fields, a pytree-registered type's children (by position), another object's attributes
+    (``vars()``: an HF ``DynamicCache`` and its layers' keys and values); ``[]`` for a value that
+    holds no tensor; None for one nanscan cannot see into (a generator, an object with neither
+    ``__dict__`` nor a known layout) -- the caller's values computed from it are then "cannot
+    tell". Called by ``gather`` in csrc/monitor/recorder.cpp, only for such values."""
     if isinstance(value, _LEAVES):
         return []
     if dataclasses.is_dataclass(value):
@@ -192,6 +193,9 @@ def children(value) -> Optional[list]:
     if node is not None:
         items, _ = node.flatten_fn(value)
         return list(enumerate(items))
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, types.GeneratorType):
+        return list(attributes.items())
     return None
 
 
