@@ -324,7 +324,7 @@ class _Tap(torch.autograd.Function):
 def mark_effects_cacheable() -> None:
     try:
         import torch._inductor.config as inductor_config
-        from nanscan import __version__
+        from nanscan._version import __version__
 
         marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
         if isinstance(marked, dict):
