@@ -719,7 +719,9 @@ def test_a_watched_compiled_rerun_is_served_by_inductors_cache_and_answers_the_s
                                       check=True, timeout=900).stdout.strip().splitlines()[-1]) for _ in range(2)]
     cold, warm = runs
     assert cold["forward"] == warm["forward"] == [1, "forward", "inp", "activation", False]
-    assert cold["backward"] == warm["backward"] == [1, "backward", "sq", "grad", True]
+    assert cold["backward"] == warm["backward"]
+    if GRAD_HOOKS:  # (a torch that cannot trace the gradient hooks says "cannot tell" there, cold and warm)
+        assert warm["backward"] == [1, "backward", "sq", "grad", True]
     import torch._inductor.config as inductor_config
 
     if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):
