@@ -509,7 +509,7 @@ def test_full_disk_says_so_and_leaves_no_partial_bundle(tmp_path, monkeypatch, f
     real_save, real_usage = torch.save, B.shutil.disk_usage
 
     def save(obj, f, **kw):
-        if str(f).endswith("model.pt"):
+        if str(getattr(f, "name", f)).endswith("model.pt"):  # (a path, or the file the writer opened)
             real_save(obj, f, **kw)  # a partial file, as a full disk leaves one
             raise RuntimeError(TORCH_DISK_FULL)
         return real_save(obj, f, **kw)

@@ -18,7 +18,9 @@ Layout (every file but the manifest is written with ``torch.save`` and read back
 Writes are atomic: everything goes to a temporary sibling directory that is renamed into place,
 and an existing path is never overwritten (the monitor writes a rerun's bundle under the first
 free ``-1``, ``-2``, ... suffix instead). A write that fails (a full disk) removes the partial
-bundle and says how many bytes were free.
+bundle, closes every file it opened and says how many bytes were free. A writer that was killed
+(SIGKILL, the out-of-memory killer, a preempted node) cannot remove its temporary directory: see
+Note [stale temporary directories] for who removes it.
 
 ``load_bundle`` verifies before it trusts anything:
 
@@ -76,6 +78,7 @@ import platform
 import random
 import re
 import shutil
+import socket
 import stat
 import tempfile
 import warnings
@@ -84,6 +87,7 @@ from typing import Any, Optional
 import torch
 
 from nanscan import jsonl
+from nanscan.warn import warn as _warn
 
 FORMAT = "nanscan-bundle"
 VERSION = 2  # 2: the manifest carries its own digest
@@ -383,6 +387,100 @@ def free_bundle_path(path: str) -> str:
     return f"{path}-{n}"
 
 
+# Note [stale temporary directories]
+# A bundle is written into ``.<name>.tmp-p<pid>-h<host>-<random>`` beside its final path and renamed
+# into place. A writer killed mid-write leaves that directory behind (tens of MB: the model and
+# optimizer state). Every later write into the same directory removes the temporary directories
+# of dead writers: those whose name carries this host's tag and the id of a process that no longer
+# exists, and that hold nothing but bundle files. Any other leftover -- a writer on another host of
+# a shared filesystem, whose liveness this host cannot see, or a directory named before writers put
+# their pid in the name -- is never removed; a warning (once per directory and process) names it so
+# a person can. A live writer's directory is never touched: its pid exists (a reused pid keeps a
+# dead writer's directory, the safe side).
+_TMP_NAME = re.compile(r"\A\.(?P<name>.+)\.tmp-(?:p(?P<pid>\d+)-h(?P<host>[0-9a-f]{8})-)?[A-Za-z0-9_]+\Z")
+_BUNDLE_FILES = frozenset(_TENSOR_FILES + ("manifest.json",))
+_warned_leftovers: set = set()
+
+
+def _host_tag() -> str:
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name}.tmp-p{os.getpid()}-h{_host_tag()}-"
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):  # another user's process, or cannot tell: alive
+        return True
+    return True
+
+
+def _only_bundle_files(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return all(e.name in _BUNDLE_FILES and e.is_file(follow_symlinks=False) for e in entries)
+    except OSError:
+        return False
+
+
+def clean_stale_temp_dirs(directory: str) -> tuple:
+    """Remove the temporary directories that killed bundle writers left in ``directory``; return
+    ``(removed, left)``: the paths removed and the leftovers this host cannot judge (Note [stale
+    temporary directories]). Never raises: a directory that cannot be listed has nothing to clean."""
+    removed, left = [], []
+    host = _host_tag()
+    try:
+        with os.scandir(directory) as entries:
+            candidates = [(e.name, e.path) for e in entries if e.name.startswith(".")
+                          and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return removed, left
+    for name, path in candidates:
+        m = _TMP_NAME.match(name)
+        if m is None:
+            continue
+        if m.group("pid") is None or m.group("host") != host:
+            left.append(path)  # another host's writer, or a name without a pid: this host cannot judge
+            continue
+        pid = int(m.group("pid"))
+        if pid == os.getpid() or _process_exists(pid):
+            continue  # a live writer's directory (this process's other threads included)
+        if _only_bundle_files(path):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.lexists(path):
+                removed.append(path)
+                continue
+        left.append(path)  # a dead writer's, but holding something not ours, or not removable
+    return removed, left
+
+
+def _clean_before_write(directory: str) -> None:
+    try:
+        _, left = clean_stale_temp_dirs(directory)
+        key = (os.path.abspath(directory), tuple(sorted(left)))
+        if left and key not in _warned_leftovers:
+            _warned_leftovers.add(key)
+            shown = ", ".join(left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+            _warn(f"nanscan: {len(left)} temporary bundle director{'y' if len(left) == 1 else 'ies'} of an earlier "
+                  f"writer {'is' if len(left) == 1 else 'are'} left in {directory}: {shown}. nanscan removes those "
+                  "of dead writers on this host only; remove these by hand once no writer uses them.",
+                  RuntimeWarning, stacklevel=4)
+    except Exception:  # cleaning up after others must never stop this write
+        pass
+
+
+def _save(obj, target: str) -> None:
+    """``torch.save`` into a file this function opens and always closes: a write that fails (a
+    full disk) releases the descriptor at once, not when the traceback is collected."""
+    with open(target, "wb") as f:
+        torch.save(obj, f)
+
+
 class BundleWriteError(OSError):
     """A bundle could not be written (``errno.ENOSPC`` when the disk is full); the partial bundle
     was removed and the original error is the ``__cause__``."""
@@ -410,7 +508,8 @@ def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimi
     os.makedirs(parent, exist_ok=True)
     notes = {k: batch[k] for k in _NOTE_KEYS if k in batch}  # (clone_batch's notes: to the manifest)
     batch = {k: v for k, v in batch.items() if k not in _NOTE_KEYS}
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    _clean_before_write(parent)
+    tmp = tempfile.mkdtemp(prefix=_temp_prefix(os.path.basename(path)), dir=parent)
     files = {"batch.pt": batch, "rng.pt": rng, "model.pt": model_state}
     if optimizer_state is not None:
         files["optimizer.pt"] = optimizer_state
@@ -421,7 +520,7 @@ def write_bundle(path: str, *, batch: dict, rng: dict, model_state: dict, optimi
         hashes = {}
         for writing, obj in files.items():
             target = os.path.join(tmp, writing)
-            torch.save(obj, target)
+            _save(obj, target)
             hashes[writing] = _sha256(target)
         writing = "manifest.json"
         manifest = {
