@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import glob
 import os
 import weakref
@@ -50,6 +51,7 @@ import torch
 from nanscan import _ops
 from nanscan.guard import attach_note
 from nanscan.monitor import distributed
+from nanscan.monitor.autocast_probe import AutocastProbe, autocast_enabled
 from nanscan.monitor.attribution import first_incidents, offenders, other_offenders
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.headroom import HeadroomWatch, row_maxima
@@ -101,6 +103,7 @@ class Monitor:
         self.steplog: Optional[StepLog] = StepLog(log, self.rank) if log is not None else None
         self.headroom = (HeadroomWatch(headroom_bits, headroom_cast, self.rank, grads=scaler is None)
                          if headroom_bits is not None else None)
+        self._autocast_probe = AutocastProbe()
         self._capturer = StepCapture(model, optimizer, scaler, capture_dir, keep_pre_update_state, self.rank, mode)
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
@@ -331,12 +334,20 @@ class Monitor:
                                         inputs_of=None if info.is_root else info.name)
             else:
                 self._capturer.note_autocast(self.step_index)
+        if (self.headroom is not None or self.capture_dir is not None) and not autocast_enabled():
+            self._autocast_probe.arm(module, functools.partial(self._autocast_inside, self.step_index))
         self._forward_seen = True
         if not (self.checking and self.activations):
             return None
         if info.is_root:
             self.traced.begin_forward()
         return "forward"
+
+    def _autocast_inside(self, step: int) -> None:
+        """Autocast was entered inside the model's forward (Note [autocast inside the forward])."""
+        if self.headroom is not None:
+            self.headroom.note_autocast(step, self._model_device().type)
+        self._capturer.note_autocast(step, inside=True)
 
     def _forward_aborted(self) -> None:
         """The model's last forward raised and the loop went on (it skipped the batch): that batch is
@@ -631,6 +642,7 @@ class Monitor:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            self._autocast_probe.disarm()
             self.hooks.close()
             self.traced.forget()
             _WATCHED.pop(id(self.model), None)

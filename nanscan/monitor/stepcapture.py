@@ -64,12 +64,15 @@ class StepCapture:
             self.warned.add(kind)
             _warn(message, RuntimeWarning, stacklevel=3)
 
-    def note_autocast(self, step: int) -> None:
-        """Called as the model's forward begins: autocast as the forward sees it."""
+    def note_autocast(self, step: int, inside: bool = False) -> None:
+        """Called as the model's forward begins -- or, with ``inside``, at the first module called
+        inside it (Note [autocast inside the forward], autocast_probe.py): autocast as the forward
+        sees it."""
         if step in self.saved:
             from nanscan.capture.bundle import autocast_state
 
             self.saved[step]["autocast"] = autocast_state()
+            self.saved[step]["autocast_entered"] = "inside the model's forward" if inside else None
 
     def write(self, incident, capture_dir: str, step: int, *, current_step: int, applied_this_step) -> str:
         """Write the bundle of ``step`` into ``capture_dir`` as ``step<step>-rank<rank>``, or under the
@@ -106,6 +109,7 @@ class StepCapture:
             autocast=saved["autocast"], precision=B.model_precision(self.model),
             incident=incident.to_dict() if incident is not None else None,
             step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state,
-                              **({"inputs_of": saved["inputs_of"]} if saved.get("inputs_of") else {})})
+                              **({"inputs_of": saved["inputs_of"]} if saved.get("inputs_of") else {}),
+                              **({"autocast_entered": saved["autocast_entered"]} if saved.get("autocast_entered") else {})})
         self.bundle_step = step
         return self.bundle_path
