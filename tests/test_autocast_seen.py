@@ -114,3 +114,29 @@ def test_hf_trainer_bf16_bundle_says_autocast_on(tmp_path):
     assert m["autocast"]["cpu"] == {"enabled": True, "dtype": "bfloat16"}
     assert m["extra"]["autocast_entered"] == "inside the model's forward"
     assert m["model_precision"]["converted"] == []  # fp32 weights: autocast, not a converted model
+
+
+def _fsdp_bundle(rank, world, out_dir):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from nanscan.capture.bundle import load_bundle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model[0], mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    path = nanscan.capture_bundle(os.path.join(out_dir, "b"), model=model, batch=torch.randn(4, 8))
+    return load_bundle(path).manifest["model_precision"]
+
+
+def test_fsdp2_mixed_precision_policy_is_recorded(tmp_path):
+    # FSDP2 keeps fp32 shards and computes in the policy's bf16: the dtypes of the stored parameters
+    # alone would say fp32.
+    from tests import ranks
+
+    (precision,) = ranks.spawn(_fsdp_bundle, 1, tmp_path, str(tmp_path))
+    assert precision["param_dtypes"] == {"float32": 8 * 16 + 16 + 16 + 1}
+    expected = {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None,
+                "cast_forward_inputs": True}
+    assert precision["fsdp_mixed_precision"] == {"(model)": expected, "0": expected}

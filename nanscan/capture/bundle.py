@@ -336,8 +336,36 @@ def model_precision(model: torch.nn.Module) -> dict:
     for p in model.parameters():
         key = str(p.dtype).replace("torch.", "")
         counts[key] = counts.get(key, 0) + p.numel()
-    return {"param_dtypes": counts,
-            "converted": sorted(k for k in counts if k in ("float16", "bfloat16"))}
+    out = {"param_dtypes": counts,
+           "converted": sorted(k for k in counts if k in ("float16", "bfloat16"))}
+    policies = _fsdp_mixed_precision(model)
+    if policies:
+        out["fsdp_mixed_precision"] = policies
+    return out
+
+
+def _fsdp_mixed_precision(model: torch.nn.Module) -> dict:
+    """FSDP2's ``MixedPrecisionPolicy`` of every ``fully_shard``-ed module that sets one: the
+    parameters are stored in their own dtype and all-gathered in ``param_dtype`` for compute, so
+    ``param_dtypes`` alone would say fp32 for a step that ran in bf16. ``{module path: {field: value}}``."""
+    out: dict = {}
+    for name, module in model.named_modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        try:
+            policy = state()._mp_policy
+        except Exception:  # a torch whose FSDP keeps it elsewhere: nothing to record, nothing guessed
+            continue
+        fields = {}
+        for field in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"):
+            value = getattr(policy, field, None)
+            fields[field] = str(value).replace("torch.", "") if isinstance(value, torch.dtype) else value
+        if any(fields[f] is not None for f in ("param_dtype", "reduce_dtype", "output_dtype")):
+            out[name or "(model)"] = fields
+            if len(out) >= _MAX_NOTED:
+                break
+    return out
 
 
 def _dtypes_of(batch: dict) -> list:
