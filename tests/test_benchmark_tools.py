@@ -1,6 +1,8 @@
 """benchmarks/results_table.py: the README's ratio table from pytest-benchmark JSONs, one or several
 (gpu_check.sh writes one JSON per benchmark stage)."""
 import json
+import os
+import re
 
 import pytest
 
@@ -78,3 +80,19 @@ def test_a_compiled_step_that_did_not_get_the_cuda_graphs_it_asked_for_says_so_i
         assert warm_up(torch.compile(model), opt, idx, "default") == ""  # inductor's default asks none
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("part", ["1", "2"])
+def test_gpu_check_plan_fits_one_device_command(part):
+    # The device tool runs one command for at most 600 s: each part's stage estimates must end before
+    # its deadline, and the deadline must leave slack under 600 s for start-up and copying back.
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
+    r = subprocess.run(["bash", script, "--part", part, "--plan"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "fits:" in r.stdout, r.stdout + r.stderr
+    total = int(re.search(r"estimated total: (\d+) s of (\d+) s", r.stdout).group(1))
+    deadline = int(re.search(r"estimated total: (\d+) s of (\d+) s", r.stdout).group(2))
+    assert total < deadline <= 560
+    bad = subprocess.run(["bash", script, "--part", "3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--part must be 1 or 2" in bad.stderr
