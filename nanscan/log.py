@@ -1,4 +1,4 @@
-"""NaN-safe strict JSON and the JSONL event log (DESIGN.md §6).
+"""NaN-safe strict JSON and the JSONL event log (docs/logs-and-reports.md says what a user sees).
 
 **Encoding** (:func:`encode`, :func:`dumps`, :func:`dump`): the output always passes
 ``json.dumps(..., allow_nan=False)`` (forced). A non-finite float becomes
