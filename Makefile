@@ -16,7 +16,7 @@ QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-war
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
-	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib ninja
 	# third-party models, the HF Trainer and Lightning for tests/test_real_models.py, test_integrations.py
 	# and test_lightning.py
 	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31" "accelerate==1.15.0" \
