@@ -48,7 +48,7 @@ COMPAT_TORCH ?= 2.11.0
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install --upgrade "pip>=23" setuptools wheel
-	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib
+	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib ninja
 	TORCH_CUDA_ARCH_LIST="9.0" $(COMPAT_VENV)/bin/python -m pip install --no-build-isolation --no-deps -e .  # (sm_90: the H200)
 	$(COMPAT_VENV)/bin/python -m nanscan info
 	$(COMPAT_VENV)/bin/python -m pytest -q tests
