@@ -126,7 +126,12 @@ else:
                        extra_link_args=["-fopenmp"])
 
 # ninja compiles the sources in parallel (MAX_JOBS of them) where it is installed; torch's BuildExtension
-# falls back to one compile after another where it is not.
+# falls back to one compile after another where it is not. torch looks for it on PATH: a venv's ninja
+# (`pip install ninja`, as the Makefile does) is beside this interpreter, on PATH only when the venv is
+# activated, so its directory goes first.
+_bin = os.path.dirname(sys.executable)
+if os.path.exists(os.path.join(_bin, "ninja")):
+    os.environ["PATH"] = _bin + os.pathsep + os.environ.get("PATH", "")
 dist_kwargs = dict(ext_modules=[ext], cmdclass={"build_ext": Build.with_options(use_ninja=True)})
 from setuptools.dist import Distribution  # noqa: E402
 
