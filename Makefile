@@ -24,7 +24,7 @@ $(VENV)/.deps:
 	touch $@
 
 # The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.
-$(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f)
+$(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f -not -name '*.md')
 	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	$(PY) -m nanscan info
 	touch $@
