@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nanscan.capture import bundle as B
+from nanscan.capture import write as W
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,12 +35,12 @@ def test_a_killed_writers_temporary_directory_is_removed_by_the_next_write(tmp_p
     # The writer is SIGKILLed after its first file: what the out-of-memory killer or a preempted node does.
     r = _run(f"""
         import os, signal, torch
-        from nanscan.capture import bundle as B
-        real = B._save
+        from nanscan.capture import bundle as B, write as W
+        real = W._save
         def save_then_die(obj, target):
             real(obj, target)
             os.kill(os.getpid(), signal.SIGKILL)
-        B._save = save_then_die
+        W._save = save_then_die
         B.write_bundle({str(tmp_path / "step000003-rank0")!r}, batch={{"args": [torch.ones(1 << 16)], "kwargs": {{}},
                        "single": True}}, rng=B.capture_rng(), model_state={{"w": torch.zeros(1 << 16)}}, step=3)
         """)
@@ -56,7 +57,7 @@ def test_a_live_writers_directory_is_never_touched(tmp_path):
     # Another rank on this host still writing: its pid exists, so its directory stays and is no leftover.
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = tmp_path / f".step000001-rank1.tmp-p{other.pid}-h{B._host_tag()}-abc123_x"
+        live = tmp_path / f".step000001-rank1.tmp-p{other.pid}-h{W._host_tag()}-abc123_x"
         live.mkdir()
         (live / "batch.pt").write_bytes(b"partial")
         removed, left = B.clean_stale_temp_dirs(str(tmp_path))
@@ -78,9 +79,9 @@ def _dead_pid() -> int:
 
 
 def test_leftovers_this_host_cannot_judge_are_kept_and_named(tmp_path):
-    foreign = tmp_path / f".step000001-rank3.tmp-p{_dead_pid()}-h{'0' * 8 if B._host_tag() != '0' * 8 else '1' * 8}-q1w2e3r4"
+    foreign = tmp_path / f".step000001-rank3.tmp-p{_dead_pid()}-h{'0' * 8 if W._host_tag() != '0' * 8 else '1' * 8}-q1w2e3r4"
     old_style = tmp_path / ".step000001-rank0.tmp-k2j3h4g5"  # named before writers put their pid in it
-    user_owned = tmp_path / f".step000001-rank2.tmp-p{_dead_pid()}-h{B._host_tag()}-zzzzzzzz"
+    user_owned = tmp_path / f".step000001-rank2.tmp-p{_dead_pid()}-h{W._host_tag()}-zzzzzzzz"
     for d in (foreign, old_style, user_owned):
         d.mkdir()
         (d / "model.pt").write_bytes(b"x")

@@ -3,6 +3,7 @@ import errno
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from torch import nn
 import nanscan
 from nanscan.capture import bundle as B
 from nanscan.capture.bundle import capture_rng
+from nanscan.capture.bundle_format import _sha256
 from tests.capture_models import POISON, drop_net, log_net
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,7 +146,7 @@ def test_bundle_refuses_tampering_and_never_runs_a_malicious_pickle(tmp_path):
 
     with open(batch_file, "wb") as f:
         pickle.dump({"args": [Evil()], "kwargs": {}}, f)
-    edit_manifest(path, lambda m: m["files"].update({"batch.pt": B._sha256(batch_file)}))  # hash forged too
+    edit_manifest(path, lambda m: m["files"].update({"batch.pt": _sha256(batch_file)}))  # hash forged too
     with pytest.raises(nanscan.BundleError, match="batch.pt could not be loaded safely"):
         nanscan.load_bundle(path)
     assert not marker.exists()
@@ -455,7 +457,7 @@ def test_payload_of_the_wrong_type_with_a_forged_hash_is_refused(tmp_path, case)
     target = os.path.join(path, name)
     os.unlink(target)
     torch.save(payload, target)
-    edit_manifest(path, lambda m: m["files"].update({name: B._sha256(target)}))  # hash and digest forged
+    edit_manifest(path, lambda m: m["files"].update({name: _sha256(target)}))  # hash and digest forged
     with pytest.raises(nanscan.BundleError, match=message):
         nanscan.load_bundle(path)
 
@@ -506,7 +508,7 @@ TORCH_DISK_FULL = ("[enforce fail at inline_container.cc:672] . PytorchStreamWri
 
 @pytest.mark.parametrize("free", [4096, 10 << 30])
 def test_full_disk_says_so_and_leaves_no_partial_bundle(tmp_path, monkeypatch, free):
-    real_save, real_usage = torch.save, B.shutil.disk_usage
+    real_save, real_usage = torch.save, shutil.disk_usage
 
     def save(obj, f, **kw):
         if str(getattr(f, "name", f)).endswith("model.pt"):  # (a path, or the file the writer opened)
@@ -515,7 +517,7 @@ def test_full_disk_says_so_and_leaves_no_partial_bundle(tmp_path, monkeypatch, f
         return real_save(obj, f, **kw)
 
     monkeypatch.setattr(torch, "save", save)
-    monkeypatch.setattr(B.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=free))
     model = nn.Linear(1000, 100)
     with pytest.raises(OSError) as err:
         nanscan.capture_bundle(str(tmp_path / "b"), model=model, batch=torch.randn(2, 1000))
@@ -536,10 +538,10 @@ def test_full_disk_while_writing_the_manifest(tmp_path, monkeypatch):
     def dump(obj, f, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(B.json, "dump", dump)
+    monkeypatch.setattr(json, "dump", dump)
     with pytest.raises(B.BundleWriteError, match="the disk is full: writing manifest.json") as err:
         small_bundle(tmp_path / "b")
-    monkeypatch.setattr(B.json, "dump", real_dump)
+    monkeypatch.setattr(json, "dump", real_dump)
     assert err.value.errno == errno.ENOSPC and isinstance(err.value.__cause__, OSError)
     assert os.listdir(tmp_path) == []
 
