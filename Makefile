@@ -21,6 +21,8 @@ $(VENV)/.deps:
 	# and test_lightning.py
 	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31" "accelerate==1.15.0" \
 		"lightning==2.6.6"
+	# tests/test_report_html.py lays the HTML report out in a real headless browser (Debian's chromium; CI runs as root)
+	command -v chromium >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 	touch $@
 
 # The build stamp depends on every C++/CUDA source, so editing csrc/ rebuilds.

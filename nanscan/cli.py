@@ -1,21 +1,33 @@
-"""``python -m nanscan`` / ``nanscan``: ``info``, ``demo``, and for failure bundles ``show``,
-``replay`` and ``bisect``.
+"""``python -m nanscan`` / ``nanscan``: ``info``, ``demo``, ``report`` for event logs and bundles,
+and for failure bundles ``show``, ``replay`` and ``bisect``.
 
 ``--model pkg.module:factory`` names a function returning the model (built the same way as in
 training); the factory may also return ``(model, forward)`` where ``forward(model, batch)``
 returns the loss or output of one step.
 
-Exit status: 0 nothing non-finite (``replay`` did not reproduce; ``bisect``: every backend ran
-finite, or some ran finite and the others failed); 1 ``replay`` reproduced / ``bisect``: some
-backend produced NaN or Inf; 2 an expected error (not a bundle, a tampered bundle, a bad
-``--model``), one line on stderr; 3 ``bisect``: every backend failed, so nothing was checked (each
-one's error is printed: a ``--model`` that does not fit the bundle?)."""
+Exit status, one meaning per code for every command (:data:`EXIT_CODES`; ``--help`` prints it,
+``docs/cli.md`` explains it): 0 checked, nothing non-finite; 1 a finding; 2 bad usage or unreadable
+input, one line on stderr; 3 nothing could be checked. Per command:
+
+- ``report``: 1 the log (or bundle) shows an anomaly GradScaler did not handle, 0 it shows none in
+  what was logged, 3 it logs nothing that would show one (no loss, grad norm, non-finite counts or
+  update decision; a bundle captured on request).
+- ``replay``: 1 reproduced, 0 did not reproduce.
+- ``bisect``: 1 some backend produced NaN or Inf, 0 every backend ran finite (or some ran finite and
+  the others failed), 3 ``bisect``: every backend failed, so nothing was checked (each one's error
+  is printed: a ``--model`` that does not fit the bundle?).
+- ``info``: 1 the compiled library did not load.
+- every command: 2 a path that is missing or is not what the command reads, a tampered bundle, a bad
+  ``--model`` or ``--backend``, an output that cannot be written, a bad option."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
+import textwrap
 
 
 def info() -> dict:
@@ -49,45 +61,94 @@ def info() -> dict:
     }
 
 
+EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_UNCHECKED = 0, 1, 2, 3
+EXIT_CODES = {  # the one table: --help's epilog prints it, docs/cli.md repeats it (a test keeps them equal)
+    EXIT_OK: "checked, nothing non-finite: report found no anomaly GradScaler did not handle in what was logged, "
+             "replay did not reproduce, bisect saw every backend that ran stay finite",
+    EXIT_FINDING: "a finding: report found a non-finite value, skipped update or incident GradScaler did not handle, "
+                  "replay reproduced the failure, bisect saw a backend produce NaN or Inf (info: the compiled "
+                  "library did not load)",
+    EXIT_USAGE: "bad usage or unreadable input, one line on stderr: a bad option, a path that is missing or is not "
+                "what the command reads, a tampered bundle, a bad --model or --backend, an output that cannot be "
+                "written",
+    EXIT_UNCHECKED: "nothing could be checked: report of a log that logs no loss, grad norm, non-finite counts or "
+                    "update decision (or of a bundle captured on request), bisect where every backend failed",
+}
+EPILOG = "exit status:\n" + "\n".join(textwrap.fill(f"{code} {meaning}", 96, initial_indent="  ",
+                                                     subsequent_indent="    ") for code, meaning in EXIT_CODES.items())
+VERDICT_EXIT = {"finding": EXIT_FINDING, "clear": EXIT_OK, "cannot tell": EXIT_UNCHECKED}
+
+
+class UsageError(Exception):
+    """A command's input is wrong: one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (the option that was wrong, and where help is)."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message as one line, without the prefix the report's API errors carry."""
+    text = " ".join(str(error).split())
+    for prefix in ("nanscan report: ", "nanscan: "):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    return text or type(error).__name__
+
+
 def main(argv=None) -> int:
-    """Expected failures (a path that is not a bundle or log, a tampered bundle, a bad --model) are
-    reported as one line on stderr with exit status 2; anything else keeps its traceback."""
+    """Expected failures (a path that is not a bundle or log, a tampered bundle, a bad --model, an
+    output that cannot be written) are one line on stderr with exit status 2; anything else keeps
+    its traceback."""
     from nanscan import ExtensionError
     from nanscan.capture.bundle import BundleError
 
     try:
         return _main(argv)
-    except (BundleError, ExtensionError, FileNotFoundError, ValueError) as e:
-        print(f"nanscan: error: {e}", file=sys.stderr)
-        return 2
+    except (UsageError, BundleError, ExtensionError, FileNotFoundError, ValueError) as e:
+        print(f"nanscan: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_USAGE
 
 
-def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="nanscan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parser() -> argparse.ArgumentParser:
+    model_help = "pkg.module:factory returning the model (or (model, forward))"
+    parser = _Parser(prog="nanscan", description=__doc__.split("\n\n")[0], epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="versions, usable backends, what was compiled")
+
+    def command(name, help):
+        return sub.add_parser(name, help=help, description=help, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p_info = command("info", "versions, usable backends, what was compiled")
     p_info.add_argument("--json", action="store_true", help="print strict JSON")
-    p_demo = sub.add_parser("demo", help="the end-to-end walk-through (tensors, monitor, bundle, replay, report)")
-    p_demo.add_argument("workdir", nargs="?", default=None, help="where the log, bundle and report go (default: a temp dir)")
-    p_show = sub.add_parser("show", help="a failure bundle's manifest as a readable page")
-    p_show.add_argument("bundle")
-    p_replay = sub.add_parser("replay", help="re-run a bundle's step and name the first non-finite op")
-    p_replay.add_argument("bundle")
-    p_replay.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
+    p_demo = command("demo", "the end-to-end walk-through (tensors, monitor, bundle, replay, report)")
+    p_demo.add_argument("workdir", nargs="?", default=None,
+                        help="a directory (made if missing) for the log, bundles and plots (default: a temp dir)")
+    p_show = command("show", "a failure bundle's manifest as a readable page")
+    p_show.add_argument("bundle", help="a bundle directory")
+    p_replay = command("replay", "re-run a bundle's step and name the first non-finite op")
+    p_replay.add_argument("bundle", help="a bundle directory")
+    p_replay.add_argument("--model", required=True, help=model_help)
     p_replay.add_argument("--fp32", action="store_true", help="re-run in float32 without autocast")
     p_replay.add_argument("--backend", default=None, help="re-run compiled with this torch.compile backend")
     p_replay.add_argument("--anomaly", action="store_true", help="add detect_anomaly(check_nan=True)")
-    p_bisect = sub.add_parser("bisect", help="eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle",
-                              epilog="exit status: 0 no backend produced NaN / Inf, 1 some backend did, "
-                                     "3 every backend failed (nothing was checked), 2 not a bundle / bad --model")
-    p_bisect.add_argument("bundle")
-    p_bisect.add_argument("--model", required=True, help="pkg.module:factory returning the model (or (model, forward))")
-    p_report = sub.add_parser("report", help="timeline + summary of an event log (or a bundle's manifest)")
+    p_bisect = command("bisect", "eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle")
+    p_bisect.add_argument("bundle", help="a bundle directory")
+    p_bisect.add_argument("--model", required=True, help=model_help)
+    p_report = command("report", "timeline + summary of an event log (or a bundle's manifest)")
     p_report.add_argument("source", help="an event log (.jsonl) or a bundle directory")
     p_report.add_argument("-o", "--output", default=None, help="write the timeline PNG here (needs matplotlib)")
-    p_report.add_argument("--html", default=None, help="write a self-contained HTML page here")
-    args = parser.parse_args(argv)
+    p_report.add_argument("--html", default=None, help="write a self-contained HTML page here (and its PNG "
+                                                       "next to it, HTML.png, unless -o names one)")
+    return parser
+
+
+def _main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "info":
         data = info()
         if args.json:
@@ -96,51 +157,134 @@ def _main(argv=None) -> int:
             width = max(map(len, data))
             for key, value in data.items():
                 print(f"{key:<{width}}  {value}")
-        return 0 if data["library_error"] is None else 1
+        return EXIT_OK if data["library_error"] is None else EXIT_FINDING
     if args.command == "demo":
         from nanscan.demo import main as demo_main
 
-        return demo_main([args.workdir] if args.workdir else None)
+        return demo_main([_demo_workdir(args.workdir)] if args.workdir else None)
     if args.command == "report":
         return report_command(args)
+    _check_bundle_path(args.command, args.bundle)
+    if args.command == "replay" and args.backend is not None:
+        _check_backend(args.backend)  # (before the bundle and the model are loaded: minutes, at times)
     from nanscan.capture import bisect_backends, load_bundle, replay
 
     bundle = load_bundle(args.bundle)
     if args.command == "show":
         print(show(bundle), end="")
-        return 0
+        return EXIT_OK
     model, forward = load_factory(args.model)
     if args.command == "replay":
         result = replay(bundle, model, forward=forward, precision="fp32" if args.fp32 else None,
                         compile_backend=args.backend, anomaly=args.anomaly)
         print(result)
-        return 1 if result.reproduced else 0
+        return EXIT_FINDING if result.reproduced else EXIT_OK
     results = bisect_backends(bundle, model, forward=forward)
     for name, result in results.items():
         print(f"{name:<28} {result}")
     if any(r.finite is False for r in results.values()):
-        return 1
+        return EXIT_FINDING
     if all(r.error is not None for r in results.values()):  # an errored backend has finite=None
         print(f"nanscan: error: every backend failed ({len(results)}), nothing was checked: "
               "does --model build the model this bundle was captured from?", file=sys.stderr)
-        return 3
-    return 0
+        return EXIT_UNCHECKED
+    return EXIT_OK
 
 
+# ---------------------------------------------------------------------------- checking arguments
+def _first_existing(path: str) -> str:
+    """``path`` or its nearest ancestor that exists."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_output(option: str, path: str, example: str, source: str) -> None:
+    """An output file must be creatable: not a directory, under directories (or ones still to be
+    made), and not the file being reported (a PNG written over the log would destroy it)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{option} {path} is a directory: give a file name (such as {os.path.join(path, example)})")
+    ancestor = _first_existing(os.path.dirname(os.path.abspath(path)))
+    if not os.path.isdir(ancestor):
+        raise UsageError(f"{option} {path}: {ancestor} is a file, not a directory")
+    if os.path.exists(path) and os.path.exists(source) and os.path.samefile(path, source):
+        raise UsageError(f"{option} {path} is the log being reported: it would be overwritten")
+
+
+def _demo_workdir(path: str) -> str:
+    """The demo's directory, made now: a file there would end the demo a minute in."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"demo: {path} is a file, not a directory: give a directory (made if missing) for the "
+                         "demo's log, bundles and plots")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"demo: cannot make the directory {path}: {e.strerror or e}") from None
+    return path
+
+
+def _check_bundle_path(command: str, path: str) -> None:
+    if not os.path.lexists(path):
+        raise UsageError(f"{command}: {path} does not exist: give a bundle directory")
+    if os.path.isfile(path) and os.path.basename(path) != "manifest.json":
+        raise UsageError(f"{command}: {path} is a file, not a bundle directory (nanscan report reads an event log)")
+
+
+def _check_backend(name: str) -> None:
+    """A ``--backend`` torch.compile knows here (its debug backends included: eager, aot_eager)."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())
+    if name not in known:
+        raise UsageError(f"--backend {name!r} is not a torch.compile backend here; known: {', '.join(known)}")
+
+
+# ---------------------------------------------------------------------------- report
 def report_command(args) -> int:
+    """The text report, then the PNG and the HTML page, all from one reading of the source; the
+    exit status is the summary's verdict (0 clear, 1 a finding, 3 cannot tell)."""
     from nanscan import report
 
-    print(report.text_report(args.source))
+    png_path = args.output or (args.html + ".png" if args.html else None)
+    outputs = [("--html", args.html, "report.html")] if args.html else []
+    if png_path is not None:  # (the PNG an --html page makes next to itself is checked as --html's)
+        outputs.append(("-o" if args.output else "--html", png_path, "timeline.png"))
+    for option, path, example in outputs:
+        _check_output(option, path, example, args.source)
+    if args.output and args.html and os.path.abspath(args.output) == os.path.abspath(args.html):
+        raise UsageError(f"-o and --html both name {args.html}: give two files")
+    summary = report.summarize_run(args.source)
+    if args.output and not summary.get("timeline"):
+        raise UsageError(f"-o: {args.source} is a bundle, which holds one step: there is no timeline to plot "
+                         "(give the run's JSONL event log)")
+    print(report.format_summary(summary))
     png = None
-    if args.output or args.html:
+    if png_path is not None and summary.get("timeline"):
         try:
-            png = report.plot_report(args.source, args.output or (args.html + ".png"))
+            png = _write(png_path, "the timeline PNG", lambda: report.plot_summary(summary, png_path))
             print(f"timeline: {png}")
         except ImportError as e:  # matplotlib is optional: the text report above still stands
             print(f"no plot: {e}")
     if args.html:
-        print(f"html: {report.html_report(args.source, args.html, png=png)}")
-    return 0
+        def write_page():
+            with open(png, "rb") if png else contextlib.nullcontext() as f:
+                page = report.html_page(summary, f.read() if f else None)
+            os.makedirs(os.path.dirname(os.path.abspath(args.html)), exist_ok=True)
+            with open(args.html, "w", encoding="utf-8") as out:
+                out.write(page)
+            return args.html
+
+        print(f"html: {_write(args.html, 'the HTML page', write_page)}")
+    return VERDICT_EXIT[summary["verdict"]["status"]]
+
+
+def _write(path: str, what: str, write):
+    """Run ``write``; an ``OSError`` (a full disk, no permission) is one line naming the file."""
+    try:
+        return write()
+    except OSError as e:
+        raise UsageError(f"cannot write {what} to {path}: {e.strerror or e}") from None
 
 
 def load_factory(spec: str):

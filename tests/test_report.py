@@ -147,7 +147,8 @@ def test_text_report_names_step_module_and_phase(log):
     assert "first anomaly not handled by the scaler: step 20: loss non-finite" in text
     assert "'block.act' at step 20, phase forward" in text and "produced here" in text
     assert "what preceded step 20 (steps 15-19)" in text
-    assert ">10x" in text and "loss scale dropping" in text and "lr rising" in text
+    assert "grad norm grew 267x (last finite value vs the window's smallest): an explosion before the failure" in text
+    assert "loss scale dropping" in text and "lr rising" in text
     assert "truncated" in text and "updates skipped: 3 (steps 6, 17, 20)" in text
 
 
@@ -265,3 +266,165 @@ def test_incident_sentences_use_the_monitors_kind_phrases():
     for kind in KINDS:
         text = report.incident_text({"step": 3, "phase": "update", "kind": kind, "name": "bn.running_var"})
         assert text.startswith(f"non-finite {KIND_PHRASES[kind]} 'bn.running_var' at step 3"), text
+
+
+# ---------------------------------------------------------------------------- what was logged
+def plain_log(path, n=10, **fields):
+    """A run without AMP: header + ``n`` step records; ``fields`` override a record's values (a
+    callable gets the step)."""
+    lines = [{"type": "header", "nanscan": "0.1.0", "rank": 0, "time": "2026-01-01T00:00:00Z", "pid": 1}]
+    for step in range(n):
+        record = {"type": "step", "step": step, "rank": 0, "time": f"t{step}", "loss": 2.0 - 0.01 * step,
+                  "grad_norm": 1.0 + 0.001 * step, "loss_scale": None, "lr": 0.1, "update": "applied",
+                  "nonfinite": {"forward": 0, "loss": 0, "backward": 0, "update": 0}}
+        for key, value in fields.items():
+            if callable(value):
+                value = value(step)
+            if value is DROP:
+                record.pop(key)
+            else:
+                record[key] = value
+        lines.append(record)
+    path.write_text("".join(json.dumps(x, allow_nan=False) + "\n" for x in lines))
+    return str(path)
+
+
+DROP = object()  # plain_log: leave the field out of the record
+
+
+def test_all_clear_names_what_was_not_logged(tmp_path):
+    """A run whose every loss is null was reported as "every logged loss and grad norm is
+    finite": the all-clear lists only what the log holds, and says what it does not."""
+    s = report.summarize_run(plain_log(tmp_path / "noloss.jsonl", loss=None))
+    assert s["logged"] == {"loss": 0, "grad_norm": 10, "loss_scale": 0, "lr": 10, "update": 10, "nonfinite": 10}
+    assert s["verdict"]["status"] == "clear"
+    text = report.format_summary(s)
+    assert "every logged loss" not in text
+    assert "no anomalous step in what was logged:" in text
+    assert "  - grad norm finite at all 10 logged steps\n" in text
+    assert "  - no non-finite tensor counted (10 steps)\n" in text and "  - no update skipped (10 steps)\n" in text
+    assert "not logged, so not checked: loss (null at all 10 steps)\n" in text
+
+    # partly logged: the steps without it are counted, never assumed finite
+    text = report.text_report(plain_log(tmp_path / "some.jsonl", loss=lambda st: None if st % 2 else 1.0,
+                                        nonfinite=lambda st: DROP if st >= 4 else {"forward": 0}))
+    assert "  - loss finite at all 5 logged steps (null at 5 of 10)\n" in text
+    assert "  - no non-finite tensor counted (4 of 10 steps; not logged at 6)\n" in text
+
+
+def test_nothing_logged_is_cannot_tell(tmp_path):
+    """Step records with no loss, grad norm, non-finite counts or update decision back no
+    all-clear: "cannot tell", not "no anomalous step"."""
+    path = plain_log(tmp_path / "bare.jsonl", loss=None, grad_norm=None, update=None, nonfinite=DROP)
+    s = report.summarize_run(path)
+    assert s["verdict"]["status"] == "cannot tell" and s["first_anomaly"] is None
+    text = report.format_summary(s)
+    assert "no anomalous step" not in text
+    assert ("cannot tell whether the run stayed finite: no step record logs a loss, a grad norm, non-finite "
+            "counts or an update decision") in text
+    header_only = tmp_path / "header.jsonl"
+    header_only.write_text('{"type": "header", "nanscan": "0.1.0", "rank": 0, "time": "x"}\n')
+    assert report.summarize_run(str(header_only))["verdict"]["status"] == "cannot tell"
+    assert report.summarize_run(write_log(tmp_path / "events.jsonl"))["verdict"]["status"] == "finding"
+
+
+def test_findings_that_say_nothing_are_left_out(tmp_path):
+    """ "grad norm grew 1x" and "loss rising (5.638 -> 5.656)" said nothing: only a real change
+    is a finding (a grad norm that grew more than 10x, a loss that at least doubled)."""
+    def loss(st):
+        return NAN if st == 8 else 5.638 + 0.003 * st
+
+    text = report.text_report(plain_log(tmp_path / "flat.jsonl", loss=loss))
+    assert "what preceded step 8 (steps 3-7):" in text
+    assert "grad norm grew" not in text and "loss rising" not in text and "loss grew" not in text
+    # rows of what was not logged in the window are left out, and named
+    assert "    loss scale" not in text and "    not logged in these steps: loss scale\n" in text
+
+    def diverging(st):
+        return NAN if st == 8 else 1.0 * 2 ** max(0, st - 4)
+
+    text = report.text_report(plain_log(tmp_path / "div.jsonl", loss=diverging,
+                                        grad_norm=lambda st: 1.0 if st < 6 else 50.0))
+    assert "    - loss grew 8x (last finite value vs the window's smallest)\n" in text
+    assert ("    - grad norm grew 50x (last finite value vs the window's smallest): an explosion before the "
+            "failure\n") in text
+
+
+def test_unparsed_lines_are_named_for_what_they_are(tmp_path):
+    """Valid JSON that is not an event object ([1,2], a final 5) was called "not valid JSON" /
+    "truncated"."""
+    path = tmp_path / "events.jsonl"
+    good = plain_log(tmp_path / "good.jsonl", n=3)
+    lines = open(good).read().splitlines()
+    # 1 header, 2 step, 3 [1,2], 4 not JSON, 5 step, 6 a line cut off by a restart, 7 header, 8 step, 9 `5`
+    path.write_text("\n".join([lines[0], lines[1], "[1,2]", "{oops", lines[2], lines[3][:20], lines[0], lines[3],
+                               "5"]) + "\n")
+    notes = report.summarize_run(str(path))["notes"]
+    assert "line 3 is valid JSON but not an event (an array, not an object); skipped" in notes
+    assert "line 4 is not valid JSON; skipped" in notes
+    assert "line 6 was cut off mid-write (a new run's header follows it); skipped" in notes
+    assert "last line 9 is valid JSON but not an event (a number, not an object); skipped" in notes
+    assert not any("truncated" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("case", ["array", "number", "text", "config", "empty", "binary", "word"])
+def test_a_file_that_is_not_an_event_log_is_refused(tmp_path, case):
+    content, expected = {
+        "array": (b"[1,2]\n", "line 1 is valid JSON but not an event (an array, not an object)"),
+        "number": (b"5\n", "line 1 is valid JSON but not an event (a number, not an object)"),
+        "text": (b"# README\n\nnot a log\n", "line 1 is not valid JSON"),
+        "config": (b'{"lr": 0.1}\n', 'no line is a "header", "step" or "incident" record'),
+        "empty": (b"", "is empty"),
+        "binary": (b"\x89PNG\r\n\x1a\n\x00\x00", "line 1 is not valid JSON"),
+        "word": (b"hello", "line 1 is not valid JSON"),  # (one line, no newline: still not "truncated")
+    }[case]
+    path = tmp_path / "file.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a nanscan event log") as err:
+        report.summarize_run(str(path))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_special_files_are_named_not_missing(tmp_path):
+    """/dev/null and a FIFO were reported as "does not exist"."""
+    with pytest.raises(ValueError, match=r"/dev/null is a character device, not a file: give a JSONL event log"):
+        report.summarize_run("/dev/null")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"pipe is a named pipe \(FIFO\), not a file"):
+        report.summarize_run(str(fifo))  # (never opened: a FIFO without a writer would block)
+    os.symlink(tmp_path / "gone.jsonl", tmp_path / "link.jsonl")
+    with pytest.raises(FileNotFoundError, match="link.jsonl is a broken symbolic link"):
+        report.summarize_run(str(tmp_path / "link.jsonl"))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        report.summarize_run(str(tmp_path / "missing.jsonl"))
+
+
+# ---------------------------------------------------------------------------- the timeline's panels
+def panel_labels(summary):
+    """The y labels of the figure's panels (twin axes as "twin:<label>"), top to bottom."""
+    fig = report.timeline_figure(summary)
+    main = [ax for ax in fig.axes if ax.get_label() != "twin"]
+    twins = [f"twin:{ax.get_ylabel()}" for ax in fig.axes if ax.get_label() == "twin"]
+    return [ax.get_ylabel() for ax in main] + twins, fig
+
+
+def test_timeline_has_a_panel_only_for_what_was_logged(tmp_path):
+    """Without AMP the loss-scale panel was a quarter of the PNG saying "not logged"."""
+    pytest.importorskip("matplotlib")
+    amp = report.summarize_run(write_log(tmp_path / "amp.jsonl"))
+    labels, _ = panel_labels(amp)
+    assert labels == ["loss", "unscaled grad norm (log)", "loss scale (log)", "non-finite elements\nper phase (log)",
+                      "twin:lr"]
+
+    plain = report.summarize_run(plain_log(tmp_path / "plain.jsonl"))
+    labels, fig = panel_labels(plain)
+    assert labels == ["loss", "unscaled grad norm (log)", "lr", "non-finite elements\nper phase (log)"]
+    assert "not logged: loss scale" in fig._suptitle.get_text()
+
+    bare = report.summarize_run(plain_log(tmp_path / "bare.jsonl", loss=None, lr=None, nonfinite=DROP))
+    labels, fig = panel_labels(bare)
+    assert labels == ["unscaled grad norm (log)"]
+    assert "not logged: loss, loss scale, lr, non-finite counts" in fig._suptitle.get_text()
+    out = report.plot_summary(bare, tmp_path / "bare.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

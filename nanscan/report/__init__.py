@@ -11,8 +11,10 @@ API (plain functions; ``python -m nanscan report`` builds on them)::
     summarize_log(events, window=5) -> dict
     summarize_run(path) -> dict            # log or bundle
     text_report(path) -> str               # no matplotlib needed
+    summary_blocks(summary) -> list        # its lines and tables before layout (the HTML page's)
     bundle_text(summary) -> str            # a bundle's page (``nanscan show`` prints it too)
-    plot_report(path, out_png) -> str      # 4-panel timeline, needs matplotlib (Agg, no pyplot)
+    timeline_figure(summary) -> Figure     # a panel per logged series, needs matplotlib (Agg, no pyplot)
+    plot_report(path, out_png) -> str      # that figure as a PNG
     html_report(path, out_html, png=None) -> str
     to_json(summary) -> str                # strict JSON, non-finite floats as {"finite": false, ...}
 
@@ -23,14 +25,15 @@ One concept per module: :mod:`~nanscan.report.load` (reading logs and manifests,
 This package imports neither torch nor ``nanscan.log``: a report can be made anywhere the log is.
 """
 from nanscan.report.analysis import CRITERIA, PHASES, summarize_bundle, summarize_log, summarize_run
-from nanscan.report.html import html_report
+from nanscan.report.html import html_page, html_report
 from nanscan.report.load import (BUNDLE_FORMAT, is_bundle, load_bundle_manifest, load_events, loads, parse_events,
                                  to_json)
-from nanscan.report.plot import MATPLOTLIB_HINT, plot_report, plot_summary
-from nanscan.report.text import bundle_text, format_summary, incident_text, text_report
+from nanscan.report.plot import MATPLOTLIB_HINT, plot_report, plot_summary, timeline_figure
+from nanscan.report.text import Table, bundle_text, format_summary, incident_text, summary_blocks, text_report
 
 __all__ = [
-    "BUNDLE_FORMAT", "CRITERIA", "MATPLOTLIB_HINT", "PHASES", "bundle_text", "format_summary", "html_report",
-    "incident_text", "is_bundle", "load_bundle_manifest", "load_events", "loads", "parse_events", "plot_report",
-    "plot_summary", "summarize_bundle", "summarize_log", "summarize_run", "text_report", "to_json",
+    "BUNDLE_FORMAT", "CRITERIA", "MATPLOTLIB_HINT", "PHASES", "Table", "bundle_text", "format_summary", "html_page",
+    "html_report", "incident_text", "is_bundle", "load_bundle_manifest", "load_events", "loads", "parse_events",
+    "plot_report", "plot_summary", "summarize_bundle", "summarize_log", "summarize_run", "summary_blocks",
+    "text_report", "timeline_figure", "to_json",
 ]

@@ -11,11 +11,19 @@ or activation is never that, so the summary also names the first anomaly that is
 What preceded it follows the checklist for mixed-precision trouble: the loss scale, the grad norm
 and the lr in the few steps before (a grad norm that grew by more than 10x points at an explosion; a
 loss scale that keeps halving points at FP16 overflow -- FP16's largest value is 65504; an lr still
-rising points at the warmup)."""
+rising points at the warmup; a loss that at least doubled points at a divergence). A window that shows
+none of these gets no finding: a grad norm up 1.02x or a loss up 0.3% is noise, not a sign.
+
+A summary never gives an all-clear it cannot back. It counts, per number, the steps that logged it
+(``logged``: a null or absent field is not logged, never taken as finite), and its ``verdict`` is
+``"finding"`` (an anomaly GradScaler did not handle), ``"clear"`` (none, in what was logged) or
+``"cannot tell"`` (no step record logs a loss, a grad norm, non-finite counts or an update decision;
+a bundle captured on request)."""
 from __future__ import annotations
 
 import math
 import os
+import stat
 from typing import Optional
 
 from nanscan.report.load import is_bundle, load_bundle_manifest, load_events
@@ -83,14 +91,28 @@ def _pick_rank(events: list, header: Optional[dict], rank: Optional[int]) -> tup
     return rank, ranks_seen
 
 
+_JSON_TYPES = {"list": "an array", "dict": "an object", "int": "a number", "float": "a number", "str": "a string",
+               "bool": "true or false", "NoneType": "null"}
+NOT_AN_OBJECT = "an event line must be a JSON object, got "  # nanscan.jsonl.parse_lines' error for valid JSON
+
+
+def _unparsed_reason(e: dict, in_a_log: bool = True) -> str:
+    """Why a line was not read, as the rest of a sentence that starts "line N ...": valid JSON that
+    is not an object, a line a crash cut off (only ``in_a_log``: in a file with no event line at
+    all, no run was writing), or text that is not JSON."""
+    error = str(e.get("error", ""))
+    if error.startswith(NOT_AN_OBJECT):
+        what = error[len(NOT_AN_OBJECT):]
+        return f"is valid JSON but not an event ({_JSON_TYPES.get(what, what)}, not an object)"
+    if e.get("torn") and in_a_log:
+        return ("is truncated (the run stopped mid-write?)" if e.get("last")
+                else "was cut off mid-write (a new run's header follows it)")
+    return "is not valid JSON"
+
+
 def _unparsed_notes(events: list) -> list:
-    notes = []
-    for e in events:
-        if e.get("type") == "unparsed":
-            where = "last line" if e.get("last") else "line"
-            why = "truncated (the run stopped mid-write?)" if e.get("last") else "not valid JSON"
-            notes.append(f"{where} {e['line']} is {why}; skipped")
-    return notes
+    return [f"{'last line' if e.get('last') else 'line'} {e['line']} {_unparsed_reason(e)}; skipped"
+            for e in events if e.get("type") == "unparsed"]
 
 
 def _records_of(events: list, rank) -> tuple:
@@ -116,18 +138,30 @@ def _records_of(events: list, rank) -> tuple:
 
 
 def _series(by_step: dict) -> dict:
-    """``steps`` and the lists aligned with it: the numbers, ``update``, ``nonfinite`` per phase."""
+    """``steps`` and the lists aligned with it: the numbers, ``update``, ``nonfinite`` per phase;
+    ``nonfinite_logged`` (whether the step's record has a ``nonfinite`` object: without one its
+    counts read 0 but say nothing)."""
     steps = sorted(by_step)
-    s: dict = {"steps": steps, **{key: [] for key in SERIES}, "update": [], "nonfinite": {p: [] for p in PHASES}}
+    s: dict = {"steps": steps, **{key: [] for key in SERIES}, "update": [], "nonfinite": {p: [] for p in PHASES},
+               "nonfinite_logged": []}
     for st in steps:
         e = by_step[st]
         for key in SERIES:
             s[key].append(_num(e.get(key)))
         s["update"].append(e.get("update") if e.get("update") in ("applied", "skipped") else None)
-        counts = e.get("nonfinite") if isinstance(e.get("nonfinite"), dict) else {}
+        counts = e.get("nonfinite") if isinstance(e.get("nonfinite"), dict) else None
+        s["nonfinite_logged"].append(counts is not None)
         for p in PHASES:
-            s["nonfinite"][p].append(_int(counts.get(p)))
+            s["nonfinite"][p].append(_int((counts or {}).get(p)))
     return s
+
+
+def _logged(s: dict) -> dict:
+    """How many step records logged each number, ``update`` and ``nonfinite`` (a null or absent field
+    did not)."""
+    out = {key: sum(v is not None for v in s[key]) for key in (*SERIES, "update")}
+    out["nonfinite"] = sum(s["nonfinite_logged"])
+    return out
 
 
 def _add_empty_steps(s: dict, missing: list) -> None:
@@ -139,6 +173,7 @@ def _add_empty_steps(s: dict, missing: list) -> None:
             s[key].insert(i, None)
         for p in PHASES:
             s["nonfinite"][p].insert(i, 0)
+        s["nonfinite_logged"].insert(i, False)
 
 
 # ---------------------------------------------------------------------------- anomalies
@@ -181,6 +216,15 @@ def _trend(values: list) -> dict:
     return out
 
 
+def _growth(values: list) -> Optional[float]:
+    """The last finite value of a window against the smallest finite one before it (None unless
+    there are two and all are positive)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if len(finite) < 2 or min(finite) <= 0:
+        return None
+    return finite[-1] / min(finite[:-1])
+
+
 def _preceding(s: dict, index: int, window: int) -> dict:
     """What the last ``window`` step records before record ``index`` show (seed 004's checklist)."""
     lo = max(0, index - window)
@@ -189,14 +233,13 @@ def _preceding(s: dict, index: int, window: int) -> dict:
     for key in SERIES:
         out[key] = _trend(s[key][lo:index])
     g = out["grad_norm"]
-    # growth over the window: last finite value against the smallest finite one before it
-    finite = [v for v in g["values"] if v is not None and math.isfinite(v)]
-    growth = None
-    if len(finite) >= 2 and min(finite[:-1]) > 0:
-        growth = finite[-1] / min(finite[:-1])
-    out["grad_norm_growth"] = growth
+    out["grad_norm_growth"] = growth = _growth(g["values"])
     out["grad_norm_grew_10x"] = bool(growth is not None and growth > 10)
     out["grad_norm_nonfinite_before"] = g["nonfinite"] > 0
+    # (a loss can be negative -- a log-likelihood --: growth is measured only when every value is positive)
+    out["loss_growth"] = growth = _growth(out["loss"]["values"])
+    out["loss_grew_2x"] = bool(growth is not None and growth >= 2)
+    out["not_logged"] = [key for key in SERIES if all(v is None for v in out[key]["values"])]
     drops = _scale_drops(s["steps"], s["loss_scale"], index)
     drops_in_window = [d for d in drops if d in steps]
     out["loss_scale_drops_before"] = drops
@@ -267,6 +310,23 @@ def _headroom(events: list, rank, incidents: list) -> dict:
     return {"warnings": warned, "series": plotted, "threshold": threshold}
 
 
+# ---------------------------------------------------------------------------- verdicts
+CHECKED = ("loss", "grad_norm", "nonfinite", "update")  # what can show a step going non-finite (lr, scale cannot)
+
+
+def _log_verdict(steps: list, logged: dict, unhandled: Optional[dict]) -> dict:
+    """``{"status": "finding" | "clear" | "cannot tell", "reason": str}``: an all-clear only where the
+    log holds something that would have shown a failure."""
+    if unhandled is not None:
+        return {"status": "finding", "reason": f"step {unhandled['step']}: {unhandled['description']}"}
+    if not steps:
+        return {"status": "cannot tell", "reason": "no step records"}
+    if not any(logged[key] for key in CHECKED):
+        return {"status": "cannot tell", "reason": "no step record logs a loss, a grad norm, non-finite counts or "
+                                                   "an update decision"}
+    return {"status": "clear", "reason": "no anomaly GradScaler did not handle, in what was logged"}
+
+
 # ---------------------------------------------------------------------------- summaries
 def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> dict:
     """Per-step series, skipped steps, incidents, the first anomalous step and what preceded it.
@@ -276,11 +336,13 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
 
     Keys: ``source`` ("log"), ``timeline`` (True), ``header``, ``rank``, ``other_ranks``,
     ``steps`` and aligned lists ``loss``, ``grad_norm``, ``loss_scale``, ``lr``, ``update``,
-    ``nonfinite`` ({phase: [count]}); ``skipped_steps``, ``loss_scale_drops`` (steps where the scale
-    fell); ``incidents`` (each ``{"step", "rank", "incident", "bundle"}``); ``first_anomaly`` and
-    ``first_unhandled_anomaly`` (each None or ``{"step", "criterion", "criteria", "description",
-    "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if any, else the
-    first), ``anomalous_steps``; ``headroom`` (``{"warnings": [headroom events], "series": {"<kind>
+    ``nonfinite`` ({phase: [count]}), ``nonfinite_logged`` ([bool]); ``logged`` ({"loss", "grad_norm",
+    "loss_scale", "lr", "update", "nonfinite": how many step records logged it}); ``verdict``
+    ({"status": "finding" | "clear" | "cannot tell", "reason"}); ``skipped_steps``, ``loss_scale_drops``
+    (steps where the scale fell); ``incidents`` (each ``{"step", "rank", "incident", "bundle"}``);
+    ``first_anomaly`` and ``first_unhandled_anomaly`` (each None or ``{"step", "criterion", "criteria",
+    "description", "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if
+    any, else the first), ``anomalous_steps``; ``headroom`` (``{"warnings": [headroom events], "series": {"<kind>
     <name>": {"steps", "bits", "warned_at", "overflow"}}, "threshold"}``: the monitor's early
     warnings and the few tensors closest to overflow); ``notes`` (truncated lines, duplicates,
     other ranks)."""
@@ -303,9 +365,12 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
     steps = s["steps"]
 
     anomalies, first, unhandled = _anomalies(s, incidents, window)
+    logged = _logged(s)
     return {
         "source": "log", "timeline": True, "header": header, "rank": rank, "other_ranks": other_ranks,
         **s,
+        "logged": logged,
+        "verdict": _log_verdict(steps, logged, unhandled),
         "skipped_steps": [st for st, u in zip(steps, s["update"]) if u == "skipped"],
         "loss_scale_drops": _scale_drops(steps, s["loss_scale"], len(steps)),
         "incidents": incidents,
@@ -316,6 +381,14 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
         "headroom": _headroom(events, rank, incidents),
         "notes": notes,
     }
+
+
+def _bundle_verdict(focus: Optional[dict]) -> dict:
+    if focus is None or not focus["incidents"]:
+        return {"status": "cannot tell", "reason": "a bundle captured on request records no check of its step"}
+    if focus["handled_by_scaler"]:
+        return {"status": "clear", "reason": "the bundle's incident was a gradient overflow GradScaler handled"}
+    return {"status": "finding", "reason": f"step {focus['step']}: incident captured in the bundle"}
 
 
 def summarize_bundle(manifest: dict, path: str = "") -> dict:
@@ -335,18 +408,71 @@ def summarize_bundle(manifest: dict, path: str = "") -> dict:
             "inputs": manifest.get("inputs") or [], "environment": manifest.get("environment") or {},
             "files": sorted(manifest["files"]) if isinstance(manifest.get("files"), dict) else [], "incidents": incidents,
             "first_anomaly": focus, "first_unhandled_anomaly": focus if focus and not focus["handled_by_scaler"] else None,
-            "focus": focus,
+            "focus": focus, "verdict": _bundle_verdict(focus),
             "notes": ["a bundle holds one step: no timeline (give the run's JSONL event log for loss, grad norm, "
                       "loss scale and lr per step)"]}
 
 
+LOG_TYPES = ("header", "step", "incident")  # a file with none of these lines is not an event log
+
+
+def _special_file(mode: int) -> Optional[str]:
+    for test, what in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return None
+
+
+def _check_log_file(path: str) -> None:
+    """A log must be a regular file that exists: anything else is named for what it is (a pipe is
+    never opened: without a writer, opening it would wait forever)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise FileNotFoundError(f"nanscan report: {path} is a broken symbolic link "
+                                    f"(to {os.readlink(path)})") from None
+        raise FileNotFoundError(f"nanscan report: {path} does not exist") from None
+    except OSError as e:  # (a parent that is a file, a directory we may not search)
+        raise ValueError(f"nanscan report: cannot read {path}: {e.strerror or e}") from None
+    special = _special_file(mode)
+    if special is not None:
+        raise ValueError(f"nanscan report: {path} is {special}, not a file: give a JSONL event log or a bundle "
+                         "directory (save a stream to a file first)")
+
+
+def _check_is_log(path: str, events: list) -> None:
+    """Refuse a file none of whose lines is a header, step or incident record (a README, a JSON
+    config, an image): its report would be empty, as if the run had nothing to show."""
+    if any(e.get("type") in LOG_TYPES for e in events):
+        return
+    if not events:
+        why = "it is empty"
+    else:
+        bad = next((e for e in events if e.get("type") == "unparsed"), None)
+        if bad is not None:
+            why = f"line {bad['line']} {_unparsed_reason(bad, in_a_log=False)}"
+        else:
+            why = 'no line is a "header", "step" or "incident" record'
+        why += f" ({len(events)} line(s))"
+    raise ValueError(f"nanscan report: {path} is not a nanscan event log: {why}; give a JSONL event log "
+                     "(EventLog, watch(..., log=...)) or a bundle directory")
+
+
 def summarize_run(path: str, window: int = 5) -> dict:
-    """:func:`summarize_log` of a JSONL log, or :func:`summarize_bundle` of a bundle directory."""
+    """:func:`summarize_log` of a JSONL log, or :func:`summarize_bundle` of a bundle directory.
+    A path that is missing is a ``FileNotFoundError``; one that is not a regular file, cannot be
+    read, or is not an event log (no header, step or incident line) is a ``ValueError`` saying which."""
     path = os.fspath(path)
     if is_bundle(path):
         return summarize_bundle(load_bundle_manifest(path), os.path.abspath(path))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"nanscan report: {path} does not exist")
-    summary = summarize_log(load_events(path), window=window)
+    _check_log_file(path)
+    try:
+        events = load_events(path)
+    except OSError as e:
+        raise ValueError(f"nanscan report: cannot read {path}: {e.strerror or e}") from None
+    _check_is_log(path, events)
+    summary = summarize_log(events, window=window)
     summary["path"] = os.path.abspath(path)
     return summary

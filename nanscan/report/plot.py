@@ -1,13 +1,15 @@
-"""A log summary as a 4-panel PNG timeline (matplotlib's Agg canvas, never pyplot: no display,
-no global figure state).
+"""A log summary as a PNG timeline (matplotlib's Agg canvas, never pyplot: no display, no global
+figure state).
 
-Panels: loss; unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite
-elements per phase (grouped bars, log axis); and, when the monitor logged headroom
-(``watch(..., headroom_bits=N)``), a fifth: bits of headroom of the few tensors closest to overflow,
-with the threshold, the warnings and the overflow marked. Skipped updates are shaded on every panel, the focus
-step is a red line annotated with the module and phase, non-finite values are markers along a
-panel's top edge. matplotlib is optional: without it, :func:`plot_report` raises an
-``ImportError`` with the install hint and the text report still works."""
+Panels, top to bottom, each only when the log holds its numbers (the title names what it does not):
+loss; unscaled grad norm (log); loss scale (log) with lr on a right axis -- or lr alone, smaller,
+on a run without a GradScaler --; non-finite elements per phase (grouped bars, log axis); and,
+when the monitor logged headroom (``watch(..., headroom_bits=N)``), bits of headroom of the few
+tensors closest to overflow, with the threshold, the warnings and the overflow marked. An empty
+panel would say only "not logged", at the cost of a quarter of the picture. Skipped updates are
+shaded on every panel, the focus step is a red line annotated with the module and phase,
+non-finite values are markers along a panel's top edge. matplotlib is optional: without it,
+:func:`plot_report` raises an ``ImportError`` with the install hint and the text report still works."""
 from __future__ import annotations
 
 import math
@@ -65,36 +67,42 @@ def _note(ax, text: str) -> None:
     ax.text(0.5, 0.5, text, transform=ax.transAxes, ha="center", va="center", color="0.4")
 
 
-def _draw_loss_and_grad_norm(ax_loss, ax_grad, summary: dict, markers: bool) -> None:
-    steps = summary["steps"]
+def _draw_loss(ax, summary: dict, markers: bool) -> None:
     loss = [v for v in summary["loss"] if v is not None and math.isfinite(v)]
     loss_log = bool(loss) and min(loss) > 0 and max(loss) / min(loss) > 1e3
-    _plot_series(ax_loss, steps, summary["loss"], color="#1f77b4", label="loss", log=loss_log, markers=markers)
-    ax_loss.set_ylabel("loss" + (" (log)" if loss_log else ""))
-    _plot_series(ax_grad, steps, summary["grad_norm"], color="#2ca02c", label="grad norm", log=True, markers=markers)
-    ax_grad.set_ylabel("unscaled grad norm (log)")
+    _plot_series(ax, summary["steps"], summary["loss"], color="#1f77b4", label="loss", log=loss_log, markers=markers)
+    ax.set_ylabel("loss" + (" (log)" if loss_log else ""))
+
+
+def _draw_grad_norm(ax, summary: dict, markers: bool) -> None:
+    _plot_series(ax, summary["steps"], summary["grad_norm"], color="#2ca02c", label="grad norm", log=True,
+                 markers=markers)
+    ax.set_ylabel("unscaled grad norm (log)")
+
+
+def _draw_lr(ax, summary: dict, label: str) -> list:
+    ax.plot(summary["steps"], [v if v is not None and math.isfinite(v) else math.nan for v in summary["lr"]],
+            color="#7f7f7f", lw=1, ls="--", label=label)
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    ax.set_ylim(bottom=0)
+    return ax.get_lines()
 
 
 def _draw_loss_scale_and_lr(ax_scale, summary: dict, markers: bool) -> list:
-    """The loss scale as steps, the lr on a twin right axis; returns the lr lines (for the legend)."""
-    steps = summary["steps"]
-    if any(v is not None for v in summary["loss_scale"]):
-        _plot_series(ax_scale, steps, summary["loss_scale"], color="#8c564b", label="loss scale", log=True, markers=markers)
-        ax_scale.lines[-1].set_drawstyle("steps-post")
-    else:
-        _note(ax_scale, "loss scale not logged (no GradScaler)")
+    """The loss scale as steps, the lr (if logged) on a twin right axis labelled "twin"; returns
+    the lr lines (for the legend)."""
+    _plot_series(ax_scale, summary["steps"], summary["loss_scale"], color="#8c564b", label="loss scale", log=True,
+                 markers=markers)
+    ax_scale.lines[-1].set_drawstyle("steps-post")
     ax_scale.set_ylabel("loss scale (log)")
-    lr = summary["lr"]
-    if not any(v is not None for v in lr):
+    if not any(v is not None for v in summary["lr"]):
         return []
     ax_lr = ax_scale.twinx()
-    ax_lr.plot(steps, [v if v is not None and math.isfinite(v) else math.nan for v in lr],
-               color="#7f7f7f", lw=1, ls="--", label="lr (right axis)")
+    ax_lr.set_label("twin")
+    lines = _draw_lr(ax_lr, summary, "lr (right axis)")
     ax_lr.set_ylabel("lr", color="#7f7f7f")
     ax_lr.tick_params(axis="y", colors="#7f7f7f")
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    ax_lr.set_ylim(bottom=0)
-    return ax_lr.get_lines()
+    return lines
 
 
 def _draw_nonfinite_counts(ax_nf, summary: dict, width: float) -> None:
@@ -112,9 +120,8 @@ def _draw_nonfinite_counts(ax_nf, summary: dict, width: float) -> None:
     if any_nf:
         ax_nf.set_ylim(bottom=0.5)
     else:
-        _note(ax_nf, "no non-finite values recorded")
+        _note(ax_nf, "no non-finite values counted")
     ax_nf.set_ylabel("non-finite elements\nper phase (log)")
-    ax_nf.set_xlabel("step")
 
 
 HEADROOM_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#8c564b")
@@ -186,20 +193,31 @@ def _mark_focus(axes, summary: dict, span: float) -> None:
                      bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#d62728", "alpha": 0.9})
 
 
-def _legend(fig, axes, lr_lines: list) -> None:
+def _legend(fig, panels: dict, lr_lines: list) -> None:
     """One legend below the panels: it never hides data, the annotation or the top-edge markers."""
-    ax_scale, ax_nf = axes[2], axes[3]
     legend: dict = {}
-    for ax in axes:
+    for name, ax in panels.items():
         ax.grid(True, alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
-        if ax is ax_scale:  # the lr line lives on the twin axis
+        if name == "loss_scale":  # the lr line lives on the twin axis
             handles, labels = handles + lr_lines, labels + [ln.get_label() for ln in lr_lines]
         for h, lab in zip(handles, labels):
-            legend.setdefault(lab if ax is not ax_nf else f"non-finite in {lab}", h)
+            legend.setdefault(lab if name != "nonfinite" else f"non-finite in {lab}", h)
     if legend:
         fig.legend(list(legend.values()), list(legend.keys()), loc="outside lower center",
                    ncols=min(4, len(legend)), fontsize=8, frameon=False)
+
+
+NOT_LOGGED_NAMES = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr"),
+                    ("nonfinite", "non-finite counts"))
+
+
+def _logged(summary: dict) -> dict:
+    logged = summary.get("logged")
+    if logged is None:  # (a summary made by hand: what its lists hold)
+        logged = {key: sum(v is not None for v in summary[key]) for key, _ in NOT_LOGGED_NAMES[:4]}
+        logged["nonfinite"] = sum(any(summary["nonfinite"][p][i] for p in PHASES) for i in range(len(summary["steps"])))
+    return logged
 
 
 def _title(summary: dict) -> str:
@@ -209,39 +227,83 @@ def _title(summary: dict) -> str:
     if focus is not None:
         title += f", first {'unhandled ' if first is not focus else ''}anomaly at step {focus['step']} " \
                  f"({CRITERIA.get(focus['criterion'], focus['criterion'])})"
+    logged = _logged(summary)
+    missing = [label for key, label in NOT_LOGGED_NAMES if not logged.get(key)]
+    if missing and summary["steps"]:
+        title += f"\nnot logged: {', '.join(missing)}"
     return title
 
 
-def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> str:
-    """Draw the timeline of a log summary into ``out_png`` (matplotlib Agg, no pyplot): 4 panels,
-    5 with headroom."""
+PANEL_HEIGHTS = {"loss": 1.2, "grad_norm": 1.1, "loss_scale": 1.0, "lr": 0.7, "nonfinite": 0.9, "headroom": 1.0,
+                 "empty": 0.8}
+
+
+def _panels(summary: dict) -> list:
+    """The panels this summary has numbers for, top to bottom."""
+    logged = _logged(summary)
+    names = [key for key in ("loss", "grad_norm") if logged.get(key)]
+    if logged.get("loss_scale"):
+        names.append("loss_scale")  # (with the lr on its right axis)
+    elif logged.get("lr"):
+        names.append("lr")
+    if logged.get("nonfinite"):
+        names.append("nonfinite")
+    if (summary.get("headroom") or {}).get("series"):
+        names.append("headroom")
+    return names or ["empty"]
+
+
+def timeline_figure(summary: dict, title: Optional[str] = None):
+    """The timeline of a log summary as a matplotlib ``Figure`` (Agg canvas, no pyplot): one panel
+    per logged series (see the module docstring), each labelled by its y label; the lr axis on the
+    right of the loss-scale panel is labelled "twin" (``Axes.get_label``)."""
     if not summary.get("timeline"):
         raise ValueError("nanscan report: a bundle holds one step, there is no timeline to plot; "
                          "give the run's JSONL event log")
     Figure, FigureCanvasAgg = _require_matplotlib()
     steps = summary["steps"]
-    headroom = summary.get("headroom") or {}
-    panels = 5 if headroom.get("series") else 4
-    fig = Figure(figsize=(11, 10 + 2 * (panels - 4)), dpi=110, layout="constrained")
+    names = _panels(summary)
+    any_counted = any(c > 0 for counts in summary["nonfinite"].values() for c in counts)
+    # (a non-finite panel with nothing counted says one thing -- none counted --: it gets half the room)
+    heights = [PANEL_HEIGHTS[n] * (0.5 if n == "nonfinite" and not any_counted else 1) for n in names]
+    fig = Figure(figsize=(11, 1.6 + 2.0 * sum(heights)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(panels, 1, sharex=True, gridspec_kw={"height_ratios": [1.2, 1.1, 1, 0.9, 1][:panels]})
+    axes = fig.subplots(len(names), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    panels = dict(zip(names, axes))
     span = (steps[-1] - steps[0]) if steps else 0
     width = max(0.8, span / 500)  # bars and shaded spans stay visible on runs of 100k steps
     markers = len(steps) <= 300
 
-    _draw_loss_and_grad_norm(axes[0], axes[1], summary, markers)
-    lr_lines = _draw_loss_scale_and_lr(axes[2], summary, markers)
-    _draw_nonfinite_counts(axes[3], summary, width)
-    if panels == 5:
-        _draw_headroom(axes[4], headroom)
-        axes[3].set_xlabel("")
-        axes[4].set_xlabel("step")
-    _shade_skipped(axes, summary["skipped_steps"], width)
-    _mark_focus(axes, summary, span)
-    _legend(fig, axes, lr_lines)
+    lr_lines: list = []
+    for name, ax in panels.items():
+        if name == "loss":
+            _draw_loss(ax, summary, markers)
+        elif name == "grad_norm":
+            _draw_grad_norm(ax, summary, markers)
+        elif name == "loss_scale":
+            lr_lines = _draw_loss_scale_and_lr(ax, summary, markers)
+        elif name == "lr":
+            _draw_lr(ax, summary, "lr")
+            ax.set_ylabel("lr")
+        elif name == "nonfinite":
+            _draw_nonfinite_counts(ax, summary, width)
+        elif name == "headroom":
+            _draw_headroom(ax, summary["headroom"])
+        else:
+            _note(ax, "no loss, grad norm, loss scale, lr or non-finite counts logged: nothing to plot")
+    axes[-1].set_xlabel("step")
+    _shade_skipped(list(axes), summary["skipped_steps"], width)
+    _mark_focus(list(axes), summary, span)
+    _legend(fig, panels, lr_lines)
     if steps:
         axes[-1].set_xlim(steps[0] - width, steps[-1] + width)
     fig.suptitle(_title(summary) if title is None else title, fontsize=11)
+    return fig
+
+
+def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> str:
+    """Draw the timeline of a log summary (:func:`timeline_figure`) into ``out_png``."""
+    fig = timeline_figure(summary, title)
     out_png = os.fspath(out_png)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, format="png")
@@ -251,8 +313,8 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
 def plot_report(path: str, out_png: str) -> str:
     """Write a PNG timeline of the log at ``path`` to ``out_png`` and return ``out_png``: loss;
     unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite elements per
-    phase (grouped bars, log axis). Skipped updates are shaded, the incident step is a red line
-    annotated with the module and phase, non-finite values are markers along a panel's top edge.
-    Needs matplotlib (``ImportError`` with the install hint otherwise)."""
+    phase (grouped bars, log axis) -- each where the log holds it. Skipped updates are shaded, the
+    incident step is a red line annotated with the module and phase, non-finite values are markers
+    along a panel's top edge. Needs matplotlib (``ImportError`` with the install hint otherwise)."""
     _require_matplotlib()  # before reading anything: the hint is the answer when it is missing
     return plot_summary(summarize_run(path), out_png)

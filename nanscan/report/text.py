@@ -1,11 +1,13 @@
 """A summary as text: the log's first anomaly and what preceded it, or a bundle's one step.
 
 :func:`bundle_text` is the one renderer of a capture bundle: ``nanscan show BUNDLE`` and
-``nanscan report BUNDLE`` both print it (and the demo)."""
+``nanscan report BUNDLE`` both print it (and the demo). :func:`summary_blocks` is the text before it
+is laid out -- lines, and the table of what preceded the focus step as a :class:`Table` -- so that
+the HTML page (:mod:`nanscan.report.html`) says the same words with a real table."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from nanscan.report.analysis import CRITERIA, _int, _num, _ranges, summarize_run
 from nanscan.vocabulary import KIND_PHRASES
@@ -96,18 +98,30 @@ def bundle_text(summary: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- a log
-def _series_line(label: str, trend: dict) -> str:
-    return f"    {label:<11}" + " ".join(f"{_fmt(v, 3):>9}" for v in trend["values"])
+class Table(NamedTuple):
+    """Numbers per step: ``steps`` (the columns of the text) and ``rows`` ((label, [cell text]))."""
+    steps: list
+    rows: list
+
+
+PRECEDING_ROWS = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr"))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _findings(p: dict) -> list:
-    """What the window before a step shows, one phrase each (the checklist of the analysis)."""
+    """What the window before a step shows, one phrase each (the checklist of the analysis). A
+    window that shows nothing gets no phrase: a change below the thresholds is noise."""
     findings = []
-    if p["grad_norm_growth"] is not None:
-        grew = f"grad norm grew {p['grad_norm_growth']:.3g}x (last finite value vs the window's smallest)"
-        findings.append(grew + (" (>10x: an explosion before the failure)" if p["grad_norm_grew_10x"] else ""))
+    if p["grad_norm_grew_10x"]:
+        findings.append(f"grad norm grew {p['grad_norm_growth']:.3g}x (last finite value vs the window's smallest): "
+                        "an explosion before the failure")
     if p["grad_norm_nonfinite_before"]:
         findings.append(f"grad norm already non-finite {p['grad_norm']['nonfinite']} time(s) in the window")
+    if p["loss_grew_2x"]:
+        findings.append(f"loss grew {p['loss_growth']:.3g}x (last finite value vs the window's smallest)")
     if p["loss_scale_dropping"]:
         findings.append(f"loss scale dropping (fell at step {', '.join(map(str, p['loss_scale_drops_in_window']))}): "
                         "scaled gradients overflowed (FP16 max 65504)")
@@ -123,21 +137,28 @@ def _findings(p: dict) -> list:
         else:
             findings.append(f"lr {p['lr']['direction']}" + (f" (x{ratio:.3g})" if ratio is not None else "")
                             + (": still warming up?" if p["lr_rising"] else ""))
-    if p["loss_rising"]:
-        findings.append(f"loss rising ({_fmt(p['loss']['first'])} -> {_fmt(p['loss']['last'])})")
     if p["skipped_in_window"]:
         findings.append(f"updates skipped at step {', '.join(map(str, p['skipped_in_window']))}")
     return findings
 
 
-def _preceding_lines(p: dict, step) -> list:
+def _preceding_blocks(p: dict, step) -> list:
+    """The window before the focus step: a table of the numbers it logged (rows of what it did not
+    log are left out and named), then the findings."""
     if not p["steps"]:
         return [f"  nothing precedes step {step} in the log"]
-    lines = [f"  what preceded step {step} (steps {p['steps'][0]}-{p['steps'][-1]}):",
-             f"    {'step':<11}" + " ".join(f"{x:>9}" for x in p["steps"])]
-    for key, label in (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr")):
-        lines.append(_series_line(label, p[key]))
-    return lines + [f"    - {f}" for f in _findings(p)]
+    rows = [(label, [_fmt(v, 3) for v in p[key]["values"]]) for key, label in PRECEDING_ROWS
+            if key not in p["not_logged"]]
+    blocks = [f"  what preceded step {step} (steps {p['steps'][0]}-{p['steps'][-1]}):", Table(list(p["steps"]), rows)]
+    if p["not_logged"]:
+        labels = dict(PRECEDING_ROWS)
+        blocks.append(f"    not logged in these steps: {', '.join(labels[k] for k in p['not_logged'])}")
+    return blocks + [f"    - {f}" for f in _findings(p)]
+
+
+def _table_lines(table: Table) -> list:
+    return ([f"    {'step':<11}" + " ".join(f"{x:>9}" for x in table.steps)]
+            + [f"    {label:<11}" + " ".join(f"{c:>9}" for c in cells) for label, cells in table.rows])
 
 
 def _anomaly_lines(label: str, a: dict) -> list:
@@ -170,16 +191,49 @@ def _log_overview_lines(summary: dict) -> list:
 
 
 def _updates_lines(summary: dict) -> list:
-    """Skipped updates and the loss scale's path."""
-    skipped = summary["skipped_steps"]
-    lines = [f"updates skipped: {len(skipped)}" + (f" (steps {_ranges(skipped)})" if skipped else "")]
+    """Skipped updates (counted over the steps that logged an update decision) and the loss scale's path."""
+    skipped, n, k = summary["skipped_steps"], len(summary["steps"]), summary["logged"]["update"]
+    if k == 0:
+        lines = ["updates skipped: not logged (no step record has an update decision)"]
+    else:
+        lines = [f"updates skipped: {len(skipped)}" + (f" (steps {_ranges(skipped)})" if skipped else "")
+                 + ("" if k == n else f" of the {k} steps that logged an update decision")]
     scales = [v for v in summary["loss_scale"] if v is not None]
     if scales:
         drops = summary["loss_scale_drops"]
         lines.append(f"loss scale: {_fmt(scales[0])} -> {_fmt(scales[-1])}, fell {len(drops)} time(s)"
                      + (f" (steps {_ranges(drops)})" if drops else ""))
     else:
-        lines.append("loss scale: not logged (no GradScaler)")
+        lines.append("loss scale: not logged (no GradScaler watched)")
+    return lines
+
+
+COVERAGE = (("loss", "loss"), ("grad_norm", "grad norm"), ("nonfinite", "non-finite counts"),
+            ("update", "update decisions"))  # analysis.CHECKED, as they are named
+
+
+def _not_logged_lines(summary: dict) -> list:
+    """What no step record logged: nothing about it was checked."""
+    n, logged = len(summary["steps"]), summary["logged"]
+    missing = [f"{label} ({'absent' if key == 'nonfinite' else 'null'} at all {_plural(n, 'step')})"
+               for key, label in COVERAGE if logged[key] == 0]
+    return [f"not logged, so not checked: {', '.join(missing)}"] if missing else []
+
+
+def _all_clear_lines(summary: dict) -> list:
+    """No anomaly: say so for each thing that was logged, with how many steps logged it."""
+    n, logged = len(summary["steps"]), summary["logged"]
+    lines = ["no anomalous step in what was logged:"]
+    for key, label in (("loss", "loss"), ("grad_norm", "grad norm")):
+        k = logged[key]
+        if k:
+            lines.append(f"  - {label} finite at all {_plural(k, 'logged step')}"
+                         + ("" if k == n else f" (null at {n - k} of {n})"))
+    for key, phrase in (("nonfinite", "no non-finite tensor counted"), ("update", "no update skipped")):
+        k = logged[key]
+        if k:
+            counted = _plural(k, "step") if k == n else f"{k} of {n} steps; not logged at {n - k}"
+            lines.append(f"  - {phrase} ({counted})")
     return lines
 
 
@@ -207,18 +261,19 @@ def _headroom_lines(headroom: Optional[dict]) -> list:
     return lines
 
 
-def _log_text(summary: dict) -> str:
+def _log_blocks(summary: dict) -> list:
     lines = _log_overview_lines(summary)
     if not summary["steps"]:
-        lines.append("no step records: nothing to report")
-        return "\n".join(lines) + "\n"
+        return lines + ["no step records: cannot tell whether the run stayed finite"]
     lines += _updates_lines(summary)
     lines += _headroom_lines(summary.get("headroom"))
     first, unhandled = summary["first_anomaly"], summary["first_unhandled_anomaly"]
+    verdict = summary["verdict"]
+    if verdict["status"] == "cannot tell":
+        return lines + [f"cannot tell whether the run stayed finite: {verdict['reason']}"]
+    lines += _not_logged_lines(summary)
     if first is None:
-        lines.append("no anomalous step: every logged loss and grad norm is finite, no non-finite tensor, "
-                     "no skipped update")
-        return "\n".join(lines) + "\n"
+        return lines + _all_clear_lines(summary)
     lines += _anomaly_lines("first anomalous step", first)
     if first is not unhandled:
         if unhandled is None:
@@ -226,16 +281,28 @@ def _log_text(summary: dict) -> str:
         else:
             lines += _anomaly_lines("first anomaly not handled by the scaler", unhandled)
     focus = summary["focus"]
-    lines += _preceding_lines(focus["preceding"], focus["step"])
+    lines += _preceding_blocks(focus["preceding"], focus["step"])
     later = [st for st in summary["anomalous_steps"] if st > focus["step"]]
     if later:
         lines.append(f"anomalous after it: {len(later)} step(s) ({_ranges(later)})")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def summary_blocks(summary: dict) -> list:
+    """The report's text before layout: lines (str, indented by leading spaces) and :class:`Table` s."""
+    if summary["source"] == "bundle":
+        return bundle_text(summary).splitlines()
+    return _log_blocks(summary)
 
 
 def format_summary(summary: dict) -> str:
     """The text of :func:`text_report` for a summary already made (a log's or a bundle's)."""
-    return bundle_text(summary) if summary["source"] == "bundle" else _log_text(summary)
+    if summary["source"] == "bundle":
+        return bundle_text(summary)
+    lines: list = []
+    for block in _log_blocks(summary):
+        lines += _table_lines(block) if isinstance(block, Table) else [block]
+    return "\n".join(lines) + "\n"
 
 
 def text_report(path: str) -> str:
