@@ -3,6 +3,8 @@ gradient accumulation, no optimizer, eval / no_grad / inference_mode forwards be
 compiled re-runs, model copies, buffers, checkpointing. Each planted fault asserts step, phase,
 name, kind and produced; where nanscan cannot know, it must say so."""
 import copy
+import json
+import warnings
 
 import pytest
 import torch
@@ -754,3 +756,112 @@ def test_a_module_fed_a_nested_tensor_that_nanscan_could_not_record_gets_cannot_
         model(torch.randn(2, 4))
     inc = mon.incidents[0]
     assert (inc.phase, inc.name, inc.produced) == ("eval", "2", None)
+
+
+
+@pytest.mark.parametrize("on_nonfinite", ["record", "warn"])
+def test_lbfgs_keeps_one_incident_per_step_and_phase_however_often_it_calls_the_closure(on_nonfinite):
+    # LBFGS evaluates the closure (forward + backward) several times in one optimizer step, and the
+    # step is read after each call: the later evaluations, at the parameters LBFGS moved in between,
+    # meet the same fault or what followed from it. The step's incident is its first.
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=4)
+    x = torch.randn(16, 8)
+    calls = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanscan.watch(model, opt, on_nonfinite=on_nonfinite) as mon:
+            for step in range(3):
+                model.block.fault = step == 1
+
+                def closure():
+                    calls.append(step)
+                    opt.zero_grad()
+                    loss = model(x).pow(2).mean()
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+    assert calls.count(1) > 1  # (the closure ran more than once in the faulty step)
+    keys = [(i.step, i.phase) for i in mon.incidents]
+    assert len(keys) == len(set(keys)), keys
+    assert key(mon.incidents[0]) == (1, "forward", "block", "activation", True)
+    assert keys[:4] == [(1, "forward"), (1, "loss"), (1, "backward"), (1, "update")]
+    if on_nonfinite == "warn":
+        import re
+
+        warned = [re.search(r"at step (\d+), phase (\w+)", str(w.message)) for w in caught
+                  if issubclass(w.category, RuntimeWarning) and "non-finite" in str(w.message)]
+        warned = [(int(m.group(1)), m.group(2)) for m in warned]
+        assert warned and len(warned) == len(set(warned)) and set(warned) <= set(keys), warned  # none warned twice
+
+
+def update_after_the_block(mon, model, opt, steps, plant=None, backward_inside=True, scaler=None, factor=None):
+    """``with mon.step(batch):`` around the forward (and the backward), the optimizer step after it;
+    ``factor(i)`` multiplies step i's loss."""
+    for i in range(steps):
+        if plant is not None:
+            plant(model, i)
+        x = torch.randn(4, 8)
+        with mon.step((x,)):
+            loss = model(x).pow(2).mean() * (factor(i) if factor is not None else 1.0)
+            if backward_inside:
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        if not backward_inside:
+            loss.backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("backward_inside", [True, False])
+@pytest.mark.parametrize("fault", ["forward", "backward"])
+def test_an_optimizer_step_after_the_mon_step_block_is_that_steps_update(fault, backward_inside):
+    # `with mon.step(batch): loss = ...; loss.backward()` then `opt.step()` after the block: the
+    # update is the block's step's, not a step of its own (step numbers would double, and a read
+    # before it would see gradients without their forward).
+    torch.manual_seed(0)
+    model = SqNet() if fault == "backward" else Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def plant(m, i):
+        if fault == "backward":
+            m.fault = i == 2
+        else:
+            m.block.fault = i == 2
+
+    mon = nanscan.watch(model, opt)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        update_after_the_block(mon, model, opt, 4, plant, backward_inside)
+    want = (2, "forward", "block", "activation", True) if fault == "forward" else (2, "backward", "sq", "grad", True)
+    assert key(err.value.incident) == want
+    assert mon.step_index == 3  # (one step per block)
+    assert (mon.ledger.attempted, mon.ledger.applied) == (3, 2)  # step 2 was stopped before its update
+    assert torch.isfinite(model.head.weight).all()
+
+
+def test_mon_step_blocks_with_the_update_after_them_count_one_step_each_in_the_log(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    log = tmp_path / "log.jsonl"
+    with nanscan.watch(model, opt, scaler, log=str(log)) as mon:
+        # step 1's finite loss overflows once scaled: GradScaler skips that update
+        update_after_the_block(mon, model, opt, 4, scaler=scaler, factor=lambda i: 1e36 if i == 1 else 1.0)
+        # blocks whose optimizer step never comes end when the next one begins, and at close
+        for _ in range(2):
+            with mon.step():
+                model(torch.randn(4, 8)).sum().backward()
+            opt.zero_grad()
+    assert [(i.step, i.phase, i.handled_by_scaler) for i in mon.incidents] == [(1, "backward", True)]
+    assert mon.step_index == 6
+    assert (mon.ledger.attempted, mon.ledger.applied, mon.ledger.skipped_steps) == (4, 3, [1])
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [r for r in records if r.get("type") == "step"]
+    assert [r["step"] for r in steps] == list(range(6))
+    assert [r["update"] for r in steps] == ["applied", "skipped", "applied", "applied", None, None]

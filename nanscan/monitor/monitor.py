@@ -65,6 +65,7 @@ from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function, install, unwrap
 from nanscan.monitor.traced import TracedRows, drop_graphs_compiled_without_hooks
 from nanscan.record import RECORD_SIZE
+from nanscan.vocabulary import PHASE_ORDER
 from nanscan.warn import warn
 
 MODES = ("sync", "async")
@@ -73,6 +74,18 @@ ON_NONFINITE = ("raise", "warn", "record")
 EVAL_FORWARDS = ("check", "raise", "skip")
 
 
+
+
+# Note [one incident per step and phase]: an incident is the *first* non-finite value of its step
+# and phase. A step can be read more than once -- optimizer.step(closure) reads after every closure
+# call, and LBFGS evaluates the closure many times in one step, at parameters it moved in between --
+# and a later read of the same step finds the same fault (or what followed from it) again: it adds
+# nothing to self.incidents, the log or the warnings. Eval forwards are read one by one and keep
+# their incidents each (phase "eval").
+
+
+def _training_order(incident) -> tuple:
+    return incident.step, PHASE_ORDER[incident.phase]
 
 
 class Monitor:
@@ -96,6 +109,7 @@ class Monitor:
         self.capture_dir = capture_dir
         self.keep_pre_update_state = keep_pre_update_state
         self.incidents: list = []
+        self._incident_keys: set = set()  # (step, phase) of the training incidents in self.incidents
         self.offenders: dict = {}  # step -> names of every non-finite value found in it (not only the first)
         self.ledger = Ledger()
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
@@ -135,6 +149,8 @@ class Monitor:
         self.step_index = 0
         self.checking = True  # this step is sampled (every)
         self._explicit = False  # inside `with mon.step()`
+        # An explicit step whose block ended before its optimizer step (Note [explicit steps]).
+        self._awaiting_update = False
         self._forward_seen = False  # a training forward ran in this step
         self._root_seen = False  # ... of the whole model
         self._attempted = False  # optimizer.step / scaler.step was called in this step
@@ -290,6 +306,7 @@ class Monitor:
 
         def step(optimizer, *args, **kwargs):
             self._attempted = True
+            self._awaiting_update = False
             step_before = self.step_index
             result = original_step(optimizer, *args, **kwargs)
             if not self._closed and self.step_index == step_before and not self._applied:  # skipped
@@ -321,6 +338,8 @@ class Monitor:
             return "eval" if (self.eval_forwards != "skip" and self.activations) else None
         if not self._explicit and self.optimizer is None and self._backward_seen():
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
+        elif self._awaiting_update:
+            self._end_step()  # an explicit step whose optimizer step never came: the next step begins
         if self.headroom is not None:
             self.headroom.note_autocast(self.step_index, self._model_device().type)
         # The step's first outermost watched call -- the model, or the watched module a step calls
@@ -376,6 +395,7 @@ class Monitor:
         if self._closed:
             return None
         self._attempted = True
+        self._awaiting_update = False
         if not self.checking:
             return None
         at = 1 if args and args[0] is optimizer else 0  # (torch passes the optimizer itself as args[0])
@@ -493,19 +513,26 @@ class Monitor:
             if self.activations:
                 self.traced.allocate(self._model_device())
             self._forward_seen = self._root_seen = self._attempted = self._read_this_step = False
-            self._applied = False
+            self._applied = self._awaiting_update = False
 
     # ------------------------------------------------------------------ user API
+    # Note [explicit steps]: ``with mon.step(batch):`` is one step. When the block ends without an
+    # optimizer step and an optimizer is watched, the loop calls ``optimizer.step()`` (and often the
+    # backward) after the block: the step stays open -- read before its update, ended by the
+    # optimizer's post-hook (or GradScaler's skip) like a step without ``mon.step`` -- so that the
+    # update is the block's and not a step of its own. When the next step begins first (``mon.step``,
+    # a training forward) or the monitor closes, the step ends there and is read as it stands.
     @contextlib.contextmanager
     def step(self, batch=None):
         """Optional explicit step: ``with mon.step(batch):`` around one training step (``batch``
         goes into the failure bundle, cloned before the forward). Without it, steps are
-        delimited by the optimizer (see the module docstring)."""
+        delimited by the optimizer (see the module docstring). The optimizer step may come after
+        the block (``opt.step()`` outside it): it is the block's step's update."""
         if self._closed:
             raise RuntimeError("this nanscan Monitor is closed; call nanscan.watch(model) again")
         if self._explicit:
             raise RuntimeError("mon.step() contexts cannot be nested")
-        if self._forward_seen or self._attempted:  # an implicit step was running: it ends here
+        if self._forward_seen or self._attempted:  # an implicit step (or a block awaiting its update) ends here
             self._end_step()
         if self.capture_dir is not None and self.checking:  # (a batch that cannot be kept raises here,
             self._capturer.remember(self.step_index, batch=batch)  # before the monitor changed state)
@@ -524,7 +551,10 @@ class Monitor:
                 attach_note(primary, f"nanscan could not finish the step: {secondary!r}")
             raise
         else:
-            self._end_step(raise_incident=True)
+            if self.optimizer is not None and not self._attempted:
+                self._awaiting_update = True  # read and ended with its optimizer step (Note [explicit steps])
+            else:
+                self._end_step(raise_incident=True)
         finally:
             self._explicit = False
 
@@ -628,6 +658,8 @@ class Monitor:
         # `finally: mon.close()` would replace the first.
         raise_incident = None if self._raised else True
         try:
+            if self._awaiting_update:  # an explicit step whose optimizer step never came
+                self._end_step(raise_incident=raise_incident)
             if self.checking and (self._forward_seen or self._backward_seen()) and not self._read_this_step:
                 self._read(before_update=False, final=True, raise_incident=raise_incident)
             elif len(self.slots) or self._in_flight is not None or self.traced.used:
@@ -823,7 +855,8 @@ class Monitor:
             self._note_read(slots, bad, step, copy.grad_start)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank, reduced_grads=distributed.active(),
                                 handled_step=step if handled else None, position=position)
-        self.incidents.extend(found)
+        if training:  # one incident per step and phase (Note [one incident per step and phase])
+            found = [inc for inc in found if (inc.step, inc.phase) not in self._incident_keys]
         if bad:
             for s, names in offenders(slots, bad, allow=self.allow, position=position).items():
                 known = self.offenders.setdefault(s, [])
@@ -836,7 +869,12 @@ class Monitor:
         if training and distributed.active():  # every rank reports the same incident in the same step
             report = distributed.agree(report)
             if report is not None and report.rank != self.rank:
-                self.incidents.append(report)
+                # The first failing rank's incident stands for its step and phase here too, in
+                # training order: before this rank's own later ones (a gradient reduced from it).
+                found = [inc for inc in found if (inc.step, inc.phase) != (report.step, report.phase)]
+                if (report.step, report.phase) not in self._incident_keys:
+                    found.append(report)
+        self._add_incidents(found)
         if report is None:
             self._log_incidents(found)
             return
@@ -847,7 +885,7 @@ class Monitor:
         except Exception as e:  # the incident stays the primary finding; the capture failure is attached
             capture_error = e
             warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=3)
-        self._log_incidents(found if report in found else found + [report])
+        self._log_incidents(found)
         if self.on_nonfinite == "record" or raise_incident is None:  # None: an earlier incident is being raised
             return
         if self.on_nonfinite == "warn" or not raise_incident:
@@ -861,6 +899,19 @@ class Monitor:
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
         raise error
+
+    def _add_incidents(self, found: list) -> None:
+        """Into ``self.incidents`` in training order, (step, phase): a read may hold an earlier step's
+        update next to this step's forward, and the first failing rank's incident may be earlier in
+        the step than this rank's own."""
+        incidents = self.incidents
+        for inc in sorted(found, key=_training_order):
+            if inc.phase != "eval":
+                self._incident_keys.add((inc.step, inc.phase))
+            where = len(incidents)
+            while where and _training_order(incidents[where - 1]) > _training_order(inc):
+                where -= 1
+            incidents.insert(where, inc)
 
     def _also(self, slots, row, bad, report, position) -> str:
         """The rest of a warned incident's message: the step's other values made non-finite (by
