@@ -206,10 +206,23 @@ def test_cli_show_replay_bisect(tmp_path):
 
 
 def test_replay_compiled_with_aot_eager_still_finds_the_op(tmp_path):
+    from torch._dynamo.utils import counters
+
     path = nanscan.capture_bundle(str(tmp_path / "b"), model=log_net(), batch=torch.randn(4, 8))
     torch._dynamo.reset()
+    counters.clear()
     result = nanscan.replay(path, log_net(), compile_backend="aot_eager", backward=False)
+    # the step was compiled (dynamo runs a frame entered under a dispatch mode eagerly: replay
+    # must not enter its mode before the compiled call), and the op search saw the graph's ops
+    assert counters["frames"]["ok"] >= 1
     assert result.reproduced and result.first_op == "aten.log.default" and result.compile_backend == "aot_eager"
+    assert result.module is None and "module (module unknown: inside the compiled graph)" in str(result)
+    # inductor fuses the log into a kernel the op search cannot see into: it says so
+    torch._dynamo.reset()
+    counters.clear()
+    fused = nanscan.replay(path, log_net(), compile_backend="inductor", backward=False)
+    assert counters["frames"]["ok"] >= 1
+    assert fused.reproduced and fused.first_op is None and "inside the compiled graph" in fused.cannot_tell
 
 
 class GatedNet(nn.Module):
