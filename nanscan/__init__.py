@@ -15,7 +15,7 @@ The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C+
 inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wide.
 """
 from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
-from nanscan.capture import (BackendResult, Bundle, BundleError, Comparison, ReplayResult, bisect_backends,
+from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, Comparison, ReplayResult, bisect_backends,
                               capture_bundle, compare, load_bundle, replay)
 from nanscan.guard import guard
 from nanscan.log import EventLog
@@ -26,7 +26,7 @@ from nanscan.summary import record, records, summarize, summarize_many
 from nanscan._version import __version__
 
 __all__ = [
-    "BackendResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends", "capture_bundle",
+    "BackendResult", "BisectResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends", "capture_bundle",
     "compare", "load_bundle", "replay", "guard", "EventLog",
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
     "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",

@@ -12,7 +12,9 @@ input, one line on stderr; 3 nothing could be checked. Per command:
 - ``report``: 1 the log (or bundle) shows an anomaly GradScaler did not handle, 0 it shows none in
   what was logged, 3 it logs nothing that would show one (no loss, grad norm, non-finite counts or
   update decision; a bundle captured on request).
-- ``replay``: 1 reproduced, 0 did not reproduce.
+- ``replay``: 1 reproduced: the step's loss / output or a gradient went non-finite (an fp16-only
+  overflow replayed with ``--fp32`` exits 0; an -inf mask that never reaches the result does not
+  count), 0 did not reproduce.
 - ``bisect``: 1 some backend produced NaN or Inf, 0 every backend ran finite (or some ran finite and
   the others failed), 3 ``bisect``: every backend failed, so nothing was checked (each one's error
   is printed: a ``--model`` that does not fit the bundle?).
@@ -130,12 +132,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="a directory (made if missing) for the log, bundles and plots (default: a temp dir)")
     p_show = command("show", "a failure bundle's manifest as a readable page")
     p_show.add_argument("bundle", help="a bundle directory")
-    p_replay = command("replay", "re-run a bundle's step and name the first non-finite op")
+    p_replay = command("replay", "re-run a bundle's step and name the first op on the path to the failure")
     p_replay.add_argument("bundle", help="a bundle directory")
     p_replay.add_argument("--model", required=True, help=model_help)
     p_replay.add_argument("--fp32", action="store_true", help="re-run in float32 without autocast")
     p_replay.add_argument("--backend", default=None, help="re-run compiled with this torch.compile backend")
     p_replay.add_argument("--anomaly", action="store_true", help="add detect_anomaly(check_nan=True)")
+    p_replay.add_argument("--allow", action="append", default=[], metavar="PATTERN",
+                          help="fnmatch pattern of modules whose non-finite values are intended, as in "
+                               "watch(allow=...); repeatable")
     p_bisect = command("bisect", "eager / aot_eager / aot_eager_decomp_partition / inductor on the bundle")
     p_bisect.add_argument("bundle", help="a bundle directory")
     p_bisect.add_argument("--model", required=True, help=model_help)
@@ -176,12 +181,11 @@ def _main(argv=None) -> int:
     model, forward = load_factory(args.model)
     if args.command == "replay":
         result = replay(bundle, model, forward=forward, precision="fp32" if args.fp32 else None,
-                        compile_backend=args.backend, anomaly=args.anomaly)
+                        compile_backend=args.backend, anomaly=args.anomaly, allow=tuple(args.allow))
         print(result)
         return EXIT_FINDING if result.reproduced else EXIT_OK
     results = bisect_backends(bundle, model, forward=forward)
-    for name, result in results.items():
-        print(f"{name:<28} {result}")
+    print(results)  # (one line per backend, then the conclusion in words)
     if any(r.finite is False for r in results.values()):
         return EXIT_FINDING
     if all(r.error is not None for r in results.values()):  # an errored backend has finite=None
