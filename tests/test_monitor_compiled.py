@@ -761,9 +761,9 @@ class BrokenNet(ArmedNet):
         self.blocks = nn.ModuleList(BrokenBlock() for _ in range(2))
 
 
-@pytest.mark.xfail(strict=True, reason="a forward that mixes frames dynamo runs eagerly (past its recompile limit) "
-                                       "with compiled frames is misattributed: known, not fixed yet")
 def test_frames_run_eagerly_past_the_recompile_limit_are_never_misnamed():
+    # Note [eager frames beside compiled ones] (monitor.py): the order of eager and compiled rows in one
+    # forward is unknown, so such a step's incidents say "cannot tell" rather than name a wrong place.
     import warnings
 
     with warnings.catch_warnings():
@@ -775,5 +775,6 @@ def test_frames_run_eagerly_past_the_recompile_limit_are_never_misnamed():
             _, mon = run(BrokenNet(), 5, lambda m, i: torch.randn(4, 8), compile_kw, on_nonfinite="record")
             out += [key(inc) for inc in mon.incidents if inc.phase in ("forward", "backward")][:2]
     assert eager == [(3, "backward", "blocks.1.sq", "grad", True), (4, "forward", "inp", "activation", True)]
+    assert len(compiled) == len(eager)
     for c, e in zip(compiled, eager):  # the same answer, or "cannot tell" -- never another place
         assert c == e or (c[:2] == e[:2] and c[4] is None), (compiled, eager)

@@ -22,7 +22,10 @@ class Incident:
     and loss incidents are never "handled": loss scaling cannot fix them. ``order``: the value's
     position in its rank's production order of the read (the ranks of one SPMD program record the
     same sequence, so under torch.distributed the rank whose fault came first in the step is the
-    one reported, even where a collective then spread it to the others).
+    one reported, even where a collective then spread it to the others). ``order_known`` is False
+    when the step's forward ran some modules eagerly beside compiled graphs (Note [eager frames
+    beside compiled ones], monitor.py): the order of their values is unknown, so ``name`` is only
+    the first non-finite value nanscan saw, and ``produced`` is None.
     """
 
     step: int
@@ -35,6 +38,7 @@ class Incident:
     inputs: tuple = ()
     handled_by_scaler: bool = False
     order: int = 0
+    order_known: bool = True
 
     def __str__(self) -> str:
         s = self.summary
@@ -44,6 +48,10 @@ class Incident:
         elif self.produced is False:
             cause = ("its inputs were already non-finite (propagated from "
                      f"{', '.join(self.inputs) if self.inputs else 'upstream'})")
+        elif not self.order_known:
+            cause = ("nanscan cannot tell where it began: this forward ran some modules eagerly (dynamo past its "
+                     "recompile limit, or after a graph break) beside compiled graphs, so the order of their values "
+                     "is unknown and this is only the first non-finite value it saw")
         else:
             cause = "nanscan cannot tell whether it was produced here or propagated"
         first = "" if s.first_nonfinite_index is None else f", first at flat index {s.first_nonfinite_index}"
@@ -56,7 +64,8 @@ class Incident:
         """Strict-JSON-safe dict."""
         return {"step": self.step, "phase": self.phase, "name": self.name, "kind": self.kind,
                 "produced": self.produced, "rank": self.rank, "inputs": list(self.inputs),
-                "handled_by_scaler": self.handled_by_scaler, "summary": self.summary.to_dict()}
+                "handled_by_scaler": self.handled_by_scaler, "order_known": self.order_known,
+                "summary": self.summary.to_dict()}
 
 
 class NonFiniteError(FloatingPointError):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import glob
 import os
@@ -58,7 +59,7 @@ from nanscan.monitor.headroom import HeadroomWatch, row_maxima
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
-from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBlock, Slot, at
+from nanscan.monitor.slots import BATCH, BATCH_BYTES, BODY, OUTPUT, Block, EagerRows, GradBlock, Slot, at
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
@@ -82,6 +83,27 @@ EVAL_FORWARDS = ("check", "raise", "skip")
 # and a later read of the same step finds the same fault (or what followed from it) again: it adds
 # nothing to self.incidents, the log or the warnings. Eval forwards are read one by one and keep
 # their incidents each (phase "eval").
+
+
+# Note [eager frames beside compiled ones]: under torch.compile(model) the modules' hooks run inside
+# the graphs (traced rows, in production order among themselves) and only the root's run eagerly.
+# A frame that dynamo runs eagerly -- past its recompile limit (a module whose attribute changes at
+# every call), or a frame it skips -- calls the eager hooks of the modules in it, in the same forward:
+# their rows are in the eager window, the compiled ones in the traced rows, and how the two sequences
+# interleave is not recorded. A forward or backward incident of such a step is then named after the
+# first non-finite value in the order the read assumes (eager rows first), which may not be the first
+# that was made: it says so (order_known=False, produced=None) instead of naming a place as certain.
+def _steps_with_eager_module_rows(eager_slots) -> set:
+    """Steps whose training forward recorded rows of modules other than the root through the eager
+    hooks (a read that also holds compiled rows: those steps mixed the two)."""
+    steps = set()
+    for i, s in enumerate(eager_slots):
+        if type(s) is not EagerRows:
+            continue
+        kind, info, _, step, phase = s.rows.row(i)[:5]
+        if kind in (OUTPUT, BODY) and phase == "forward" and not s.infos[info].is_root:
+            steps.add(step)
+    return steps
 
 
 def _training_order(incident) -> tuple:
@@ -855,6 +877,11 @@ class Monitor:
             self._note_read(slots, bad, step, copy.grad_start)
         found = first_incidents(slots, row, bad, allow=self.allow, rank=self.rank, reduced_grads=distributed.active(),
                                 handled_step=step if handled else None, position=position)
+        if copy.traced is not None and found:
+            mixed = _steps_with_eager_module_rows(slots[:offset])
+            if mixed:  # Note [eager frames beside compiled ones]
+                found = [dataclasses.replace(inc, produced=None, inputs=(), order_known=False)
+                         if inc.step in mixed and inc.phase in ("forward", "backward") else inc for inc in found]
         if training:  # one incident per step and phase (Note [one incident per step and phase])
             found = [inc for inc in found if (inc.step, inc.phase) not in self._incident_keys]
         if bad:

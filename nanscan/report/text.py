@@ -42,6 +42,8 @@ def incident_text(inc: dict) -> str:
         cause = "inputs finite: produced here"
     elif produced is False:
         cause = f"propagated from {', '.join(inc.get('inputs') or []) or 'upstream'}"
+    elif inc.get("order_known") is False:
+        cause = "where it began: unknown (modules run eagerly beside compiled graphs; the first value seen)"
     else:
         cause = "produced or propagated: unknown"
     counts = ""
