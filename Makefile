@@ -21,6 +21,8 @@ $(VENV)/.deps:
 	# and test_lightning.py
 	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31" "accelerate==1.15.0" \
 		"lightning==2.6.6"
+	# tests/test_telemetry_sinks.py reads back what the real trackers stored (W&B offline, MLflow SQLite)
+	$(PY) -m pip install "tensorboard==2.21.0" "wandb==0.31.0" "mlflow==3.17.2"
 	# tests/test_report_html.py lays the HTML report out in a real headless browser (Debian's chromium; CI runs as root)
 	command -v chromium >/dev/null 2>&1 || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
 	touch $@
@@ -50,7 +52,8 @@ COMPAT_TORCH ?= 2.11.0
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install --upgrade "pip>=23" setuptools wheel
-	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib ninja
+	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib ninja \
+		"tensorboard==2.21.0"
 	TORCH_CUDA_ARCH_LIST="9.0" $(COMPAT_VENV)/bin/python -m pip install --no-build-isolation --no-deps -e .  # (sm_90: the H200)
 	$(COMPAT_VENV)/bin/python -m nanscan info
 	$(COMPAT_VENV)/bin/python -m pytest -q tests

@@ -9,6 +9,7 @@ Public API::
     nanscan.watch(model, optimizer, scaler, ...) -> Monitor     # always-on NaN/Inf localization
     nanscan.capture_bundle / load_bundle / replay / compare / bisect_backends   # after a failure
     nanscan.log.dumps / loads, nanscan.EventLog, nanscan.guard             # NaN-safe logs
+    nanscan.telemetry.Publisher / TensorBoard / WandB / MLflow / JSONL      # NaN-safe tracker sinks
 
 The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C++ CPU and CUDA) and
 ``torch.ops.nanscan.triton_summarize`` / ``triton_summarize_many``; all have fake kernels and stay
@@ -17,6 +18,7 @@ inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wid
 from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
 from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, Comparison, ReplayResult, bisect_backends,
                               capture_bundle, compare, load_bundle, replay)
+from nanscan import telemetry
 from nanscan.guard import guard
 from nanscan.log import EventLog
 from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, all_reduce_records, watch
@@ -30,5 +32,5 @@ __all__ = [
     "compare", "load_bundle", "replay", "guard", "EventLog",
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
     "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",
-    "watch",
+    "telemetry", "watch",
 ]
