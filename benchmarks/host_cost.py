@@ -116,11 +116,11 @@ def measure(steps: int = 20, rounds: int = 15, warmup: int = 3, explicit_step: b
             model, opt, x = models[name]
             mon, teardown = variants[name](model, opt)
             if mon is not None and explicit_step:
-                def step():
+                def step(mon=mon, model=model, opt=opt, x=x):
                     with mon.step():
                         train_step(model, opt, x)
             else:
-                def step():
+                def step(model=model, opt=opt, x=x):
                     train_step(model, opt, x)
             for _ in range(warmup):
                 step()
@@ -153,7 +153,8 @@ def table(result: dict) -> str:
         per_module = extra[name] / n * 1e6
         x_floor = f"{per_module / floor:8.2f}" if name != "unwatched" and floor > 0 else f"{'-':>8}"
         idx = result["step_index"].get(name, "-")
-        lines.append(f"{name:<32} {t * 1e6:>9.1f} {(base + extra[name]) / base:>6.2f} {per_module:>10.2f} {x_floor}  {idx}")
+        lines.append(f"{name:<32} {t * 1e6:>9.1f} {(base + extra[name]) / base:>6.2f} {per_module:>10.2f} "
+                     f"{x_floor}  {idx}")
     lines.append(f"us/step: the median over rounds; ratio and per module: from the median over rounds of the "
                  f"variant's step time minus the unwatched one's in the same round; per module = that / {n} "
                  f"modules (len(list(model.modules())): {n - 1} Linear + the Sequential root)")

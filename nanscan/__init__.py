@@ -16,8 +16,8 @@ The ops behind them are ``torch.ops.nanscan.summarize`` / ``summarize_many`` (C+
 inside ``torch.compile`` graphs. ``NANSCAN_BACKEND`` picks a backend process-wide.
 """
 from nanscan._ops import BACKENDS, ExtensionError, available_backends, build_info
-from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, Comparison, ReplayResult, bisect_backends,
-                              capture_bundle, compare, load_bundle, replay)
+from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, Comparison, ReplayResult,
+                             bisect_backends, capture_bundle, compare, load_bundle, replay)
 from nanscan import telemetry
 from nanscan.guard import guard
 from nanscan.log import EventLog
@@ -28,9 +28,9 @@ from nanscan.summary import record, records, summarize, summarize_many
 from nanscan._version import __version__
 
 __all__ = [
-    "BackendResult", "BisectResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends", "capture_bundle",
-    "compare", "load_bundle", "replay", "guard", "EventLog",
+    "BackendResult", "BisectResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends",
+    "capture_bundle", "compare", "load_bundle", "replay", "guard", "EventLog",
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
-    "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize", "summarize_many",
-    "telemetry", "watch",
+    "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize",
+    "summarize_many", "telemetry", "watch", "__version__",
 ]

@@ -198,7 +198,7 @@ def headroom_walkthrough(workdir: str) -> int:
         warnings.simplefilter("ignore", HeadroomWarning)  # (printed below, from mon.headroom_events)
         try:
             with nanscan.watch(model, opt, scaler, headroom_bits=True, log=log_path) as mon:
-                for step in range(1000):
+                for _step in range(1000):
                     with torch.no_grad():
                         drifting.weight.mul_(DRIFT)
                     x = torch.randn(16, 24, 32, generator=gen).to(device)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import pathlib
 import sys

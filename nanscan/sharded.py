@@ -63,9 +63,9 @@ def local_record(dt, record_one: Callable[[torch.Tensor], torch.Tensor], op: str
     mesh, placements = dt.device_mesh, dt.placements
     bad = [p for p in placements if not isinstance(p, (Shard, Replicate))]
     if bad:
-        raise ValueError(f"{op}: a DTensor with a Partial placement ({bad[0]}) holds addends of the global tensor, not its "
-                         "values, so its summary cannot be combined from the ranks' records. Redistribute it to "
-                         "Shard / Replicate first (dt.redistribute(mesh, [Replicate()]) sums the addends), or "
+        raise ValueError(f"{op}: a DTensor with a Partial placement ({bad[0]}) holds addends of the global tensor, "
+                         "not its values, so its summary cannot be combined from the ranks' records. Redistribute it "
+                         "to Shard / Replicate first (dt.redistribute(mesh, [Replicate()]) sums the addends), or "
                          "summarize dt.to_local() for what this rank holds")
     local = dt._local_tensor
     coordinate = mesh.get_coordinate()

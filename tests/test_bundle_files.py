@@ -79,7 +79,8 @@ def _dead_pid() -> int:
 
 
 def test_leftovers_this_host_cannot_judge_are_kept_and_named(tmp_path):
-    foreign = tmp_path / f".step000001-rank3.tmp-p{_dead_pid()}-h{'0' * 8 if W._host_tag() != '0' * 8 else '1' * 8}-q1w2e3r4"
+    foreign = (tmp_path / f".step000001-rank3.tmp-p{_dead_pid()}"
+               f"-h{'0' * 8 if W._host_tag() != '0' * 8 else '1' * 8}-q1w2e3r4")
     old_style = tmp_path / ".step000001-rank0.tmp-k2j3h4g5"  # named before writers put their pid in it
     user_owned = tmp_path / f".step000001-rank2.tmp-p{_dead_pid()}-h{W._host_tag()}-zzzzzzzz"
     for d in (foreign, old_style, user_owned):

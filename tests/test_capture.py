@@ -56,7 +56,8 @@ def test_bundle_replays_the_dropout_mask_of_the_failing_step(tmp_path):
 
     model, forward = drop_net()
     result = nanscan.replay(bundle, model, forward=forward)
-    assert result.reproduced and (result.first_op, result.module, result.phase) == ("aten.mul.Tensor", "drop", "forward")
+    assert result.reproduced
+    assert (result.first_op, result.module, result.phase) == ("aten.mul.Tensor", "drop", "forward")
     assert result.inputs and all(s.is_finite for s in result.inputs)
     assert result.outputs[0].posinf_count == 1 and "test_capture" not in (result.stack or "")
 
@@ -198,7 +199,8 @@ def test_cli_show_replay_bisect(tmp_path):
     shown = cli("show", mon.bundle_path)
     assert shown.returncode == 0 and "incident     activation 'drop' in forward" in shown.stdout
     replayed = cli("replay", mon.bundle_path, "--model", "tests.capture_models:drop_net")
-    assert replayed.returncode == 1 and "aten.mul.Tensor" in replayed.stdout and "drop" in replayed.stdout, replayed.stderr
+    assert (replayed.returncode == 1 and "aten.mul.Tensor" in replayed.stdout
+            and "drop" in replayed.stdout), replayed.stderr
     fp32 = cli("replay", mon.bundle_path, "--model", "tests.capture_models:drop_net", "--fp32")
     assert fp32.returncode == 1  # the overflow is fp32's own: still reproduced
     bisected = cli("bisect", mon.bundle_path, "--model", "tests.capture_models:drop_net")
@@ -454,7 +456,8 @@ FORGED_PAYLOADS = {
                   r"rng.pt .* python: not a random.getstate\(\)"),
     "rng-float-state": ("rng.pt", {"python": list(capture_rng()["python"]), "torch_cpu": torch.zeros(3)},
                         "torch_cpu: a Tensor of torch.float32"),
-    "rng-bad-bytes": ("rng.pt", {"python": list(capture_rng()["python"]), "torch_cpu": torch.zeros(3, dtype=torch.uint8)},
+    "rng-bad-bytes": ("rng.pt",
+                      {"python": list(capture_rng()["python"]), "torch_cpu": torch.zeros(3, dtype=torch.uint8)},
                       "torch_cpu: not a torch RNG state"),
     "optimizer-swapped": ("optimizer.pt", {"state": [], "param_groups": {}}, "optimizer.pt .* state: a list"),
     "optimizer-no-params": ("optimizer.pt", {"state": {}, "param_groups": [{"lr": 0.1}]},

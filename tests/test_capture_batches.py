@@ -255,7 +255,7 @@ def test_unstorable_batch_never_raises_under_warnings_as_errors(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with nanscan.watch(model, opt, capture_dir=str(tmp_path)):
-            for step in range(3):
+            for _step in range(3):
                 model(torch.randn(4, 8), Opaque(None)).sum().backward()
                 opt.step()
                 opt.zero_grad()
@@ -320,8 +320,9 @@ def test_manifest_batch_fields_are_checked_and_optional(tmp_path):
 
     for field, value in (("batch_dropped", "args[1]"), ("batch_dropped", [{"path": 1, "type": "x"}]),
                          ("batch_types", {"args[0]": 3}), ("batch_dropped_total", -1)):
-        _rewrite_manifest(path, lambda m: (m.pop("batch_dropped", None), m.pop("batch_types", None),
-                                           m.pop("batch_dropped_total", None), m.__setitem__(field, value)))
+        _rewrite_manifest(path, lambda m, field=field, value=value: (
+            m.pop("batch_dropped", None), m.pop("batch_types", None), m.pop("batch_dropped_total", None),
+            m.__setitem__(field, value)))
         with pytest.raises(nanscan.BundleError, match=field):
             nanscan.load_bundle(path)
 

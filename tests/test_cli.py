@@ -48,9 +48,10 @@ def test_demo_walks_through_the_incident(demo_run):
     assert report.returncode == 1 and "step 14" in report.stdout  # (1: a finding, the incident)
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # part 3: the drifting fp16 activation is warned about 20+ steps before its first Inf
-    warned = re.search(r"WARNING   nanscan: blocks\.1\.fc \(activation, forward, float16\) is [\d.]+ bits from overflow "
-                       r"at step (\d+) .*overflows near step (\d+) at this rate", out.stdout)
-    overflow = re.search(r"INCIDENT  non-finite output of module 'blocks\.1\.fc' at step (\d+), phase forward", out.stdout)
+    warned = re.search(r"WARNING   nanscan: blocks\.1\.fc \(activation, forward, float16\) is [\d.]+ bits "
+                       r"from overflow at step (\d+) .*overflows near step (\d+) at this rate", out.stdout)
+    overflow = re.search(r"INCIDENT  non-finite output of module 'blocks\.1\.fc' at step (\d+), phase forward",
+                         out.stdout)
     assert warned and overflow, out.stdout
     (warn_step, predicted), actual = map(int, warned.groups()), int(overflow.group(1))
     assert actual - warn_step >= 20 and abs(predicted - actual) <= 0.25 * (actual - warn_step)

@@ -1,7 +1,8 @@
 """More distributed loops on gloo ranks (CPU), each with faults planted on rank 1 only:
 DDP with no_sync() gradient accumulation (2 ranks), FSDP2 with activation checkpointing
-(torch.utils.checkpoint reentrant and not, checkpoint_wrapper, composable checkpoint; 2 ranks), and a 2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the
-fault's real step and phase, once."""
+(torch.utils.checkpoint reentrant and not, checkpoint_wrapper, composable checkpoint; 2 ranks), and a
+2-D mesh FSDP x tensor parallel (4 ranks). Every rank names rank 1, in the fault's real step and
+phase, once."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,7 +153,8 @@ def fsdp_x_tp(rank, mesh, fault):
     dp_rank = mesh["dp"].get_local_rank()
     # the same batch within a tensor-parallel group, different ones across data-parallel ranks
     return ranks.planted_run(model, model[1], rank, fault,
-                             lambda step: torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 100 * dp_rank)),
+                             lambda step: torch.randn(4, 8,
+                                                      generator=torch.Generator().manual_seed(step + 100 * dp_rank)),
                              update_param=model[4].weight)
 
 
@@ -253,4 +255,5 @@ def test_fsdp2_a_fault_in_a_parameter_free_module_on_rank_1_is_named_on_every_ra
             incidents = [tuple(k) for k in seen["incidents"]]
             assert len(incidents) == len(set(incidents)) and incidents == sorted(incidents, key=lambda k: (
                 k[0], ("forward", "loss", "backward", "update").index(k[1]))), (r, run, incidents)
-            assert max(step for step, _ in incidents) <= 3, (r, run, incidents)  # (4 steps: no step of its own for the update)
+            # (4 steps: no step of its own for the update)
+            assert max(step for step, _ in incidents) <= 3, (r, run, incidents)

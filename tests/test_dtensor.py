@@ -43,7 +43,8 @@ def worker(rank, world, out_dir):
                  "shard1-3d": ((3, 4, 6), [Shard(2)])}
     else:
         mesh = init_device_mesh("cpu", (2, 2))
-        cases = {"2d-shard0-shard1": ((6, 8), [Shard(0), Shard(1)]), "2d-replicate-shard0": ((6, 8), [Replicate(), Shard(0)]),
+        cases = {"2d-shard0-shard1": ((6, 8), [Shard(0), Shard(1)]),
+                 "2d-replicate-shard0": ((6, 8), [Replicate(), Shard(0)]),
                  "2d-shard1-shard1": ((4, 8), [Shard(1), Shard(1)])}
     dts = []
     for k, (name, (shape, placements)) in enumerate(cases.items()):

@@ -43,7 +43,8 @@ def test_guard_logs_and_captures_a_nonfinite_error(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     log = tmp_path / "events.jsonl"
     mon = nanscan.watch(model, opt, log=str(log), capture_dir=str(tmp_path / "bundles"))
-    with pytest.raises(nanscan.NonFiniteError) as err, mon, nanscan.guard(log=str(tmp_path / "guard.jsonl"), monitor=mon):
+    with pytest.raises(nanscan.NonFiniteError) as err, mon, \
+            nanscan.guard(log=str(tmp_path / "guard.jsonl"), monitor=mon):
         for i in range(4):
             x = torch.randn(2, 4)
             if i == 2:
@@ -73,7 +74,7 @@ def test_guard_capture_failure_is_attached_not_raised(tmp_path):
     with pytest.raises(ZeroDivisionError) as err, mon:
         with nanscan.guard(capture_dir=str(tmp_path), monitor=mon):
             with mon.step(torch.ones(1, 2)):
-                1 / 0
+                _ = 1 / 0
     assert any("capture failed" in n for n in err.value.__notes__)
 
 

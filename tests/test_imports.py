@@ -120,7 +120,8 @@ def test_report_imports_neither_torch_nor_the_rest_of_nanscan(tmp_path):
         text = report.text_report({str(log)!r})
         assert "step 0: loss non-finite" in text, text
         loaded = sorted(m for m in sys.modules if m.startswith("nanscan."))
-        assert all(m.startswith("nanscan.report") or m in ("nanscan.jsonl", "nanscan.vocabulary") for m in loaded), loaded
+        assert all(m.startswith("nanscan.report") or m in ("nanscan.jsonl", "nanscan.vocabulary")
+                   for m in loaded), loaded
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path), timeout=120)

@@ -36,7 +36,7 @@ def test_eval_forwards_in_unchecked_steps_make_no_step_entries(tmp_path, mode):
     mon = nanscan.watch(model, opt, every=10, log=str(path), mode=mode)
     steps, most = 300, 0
     with mon:
-        for i in range(steps):
+        for _ in range(steps):
             with torch.no_grad():  # an eval forward in every step, checked or not
                 model(torch.randn(4, 8))
             loss = mon.check_loss(model(torch.randn(4, 8)).pow(2).mean())
@@ -106,13 +106,13 @@ def test_a_steady_loss_scale_is_one_entry_and_a_skip_adds_the_halved_one():
     model[2].weight.register_hook(lambda g: g * INF if poison["on"] else g)
     mon = nanscan.watch(model, opt, scaler)
     with mon:
-        for i in range(200):
+        for _ in range(200):
             backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
         assert mon.ledger.scale_history == [(0, 1024.0)]
         poison["on"] = True  # step 200: an inf gradient, GradScaler skips it and halves the scale
         backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
         poison["on"] = False
-        for i in range(10):
+        for _ in range(10):
             backward_and_step(model(torch.randn(4, 8)).pow(2).mean(), opt, scaler)
     ledger = mon.ledger
     assert (ledger.attempted, ledger.applied, ledger.skipped_steps) == (211, 210, [200])

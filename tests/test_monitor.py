@@ -1,5 +1,4 @@
 """nanscan.watch: planted faults, each asserting step, phase, name, kind and produced."""
-import warnings
 
 import pytest
 import torch

@@ -490,7 +490,8 @@ def test_gradient_accumulation_keeps_every_micro_step_of_a_compiled_model(fault)
     eager = _accumulating_run(False, plant)
     compiled = _accumulating_run(True, plant)
     assert like_eager(compiled[0], eager[0])
-    expected = (1, "backward", "sq", "grad", True) if fault == "backward" else (1, "forward", "inp", "activation", False)
+    expected = ((1, "backward", "sq", "grad", True) if fault == "backward"
+                else (1, "forward", "inp", "activation", False))
     assert eager[0] == expected
 
 

@@ -273,7 +273,8 @@ def child_fault_incident(child):
 
 
 def test_a_dataclass_output_is_walked_and_its_nan_named_at_the_child():
-    assert key(child_fault_incident(DataclassChild())) == (1, "forward", "child.hidden", "activation", True)  # (output field, as for dicts)
+    # (output field, as for dicts)
+    assert key(child_fault_incident(DataclassChild())) == (1, "forward", "child.hidden", "activation", True)
 
 
 def test_a_generator_output_nanscan_cannot_see_into_gives_cannot_tell():

@@ -190,7 +190,7 @@ def test_eval_incident_is_phase_eval_and_warned_not_raised_by_default():
         plain_loop(model, opt, 2)
     assert [key(i) for i in mon.incidents] == [(2, "eval", "block", "activation", True)]
     assert mon.ledger.applied == 4
-    with nanscan.watch(model, opt, eval_forwards="raise") as mon2:
+    with nanscan.watch(model, opt, eval_forwards="raise"):
         model.block.fault = True
         with torch.no_grad(), pytest.raises(nanscan.NonFiniteError):
             model(torch.randn(2, 8))
@@ -775,7 +775,7 @@ def test_lbfgs_keeps_one_incident_per_step_and_phase_however_often_it_calls_the_
             for step in range(3):
                 model.block.fault = step == 1
 
-                def closure():
+                def closure(step=step):
                     calls.append(step)
                     opt.zero_grad()
                     loss = model(x).pow(2).mean()

@@ -194,7 +194,8 @@ def test_bundle_gives_a_text_report_without_timeline(tmp_path):
     bundle = tmp_path / "step000020-rank0"
     bundle.mkdir()
     manifest = {"format": "nanscan-bundle", "version": 1, "step": 20, "state": "before-update", "training": True,
-                "autocast": {"cuda": {"enabled": True, "dtype": "float16"}, "cpu": {"enabled": False, "dtype": "bfloat16"}},
+                "autocast": {"cuda": {"enabled": True, "dtype": "float16"},
+                             "cpu": {"enabled": False, "dtype": "bfloat16"}},
                 "model_precision": {"param_dtypes": {"float32": 1000}, "converted": []},
                 "inputs": [{"path": "args[0]", "dtype": "float32", "shape": [8, 64]}],
                 "incident": incident(20, "forward", "block.act", "activation", False, 3)["incident"],

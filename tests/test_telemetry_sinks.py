@@ -460,7 +460,8 @@ def mlflow_store(tmp_path, monkeypatch):
     """MLflow's default local store as of MLflow 3 (SQLite; the ./mlruns file store is in maintenance
     mode and refused by default), under tmp_path; the tracking URI only through the environment, so
     no global MLflow state outlives the test."""
-    mlflow = pytest.importorskip("mlflow", reason="mlflow is not installed (pip install mlflow; the Makefile installs it)")
+    mlflow = pytest.importorskip("mlflow",
+                                 reason="mlflow is not installed (pip install mlflow; the Makefile installs it)")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -550,7 +551,8 @@ def test_a_writer_needs_no_tensorboard_import(monkeypatch):
 
 def test_importing_telemetry_imports_no_tracker():
     code = ("import sys, nanscan.telemetry; "
-            "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow') if m in sys.modules))")
+            "print(sorted(m for m in ('tensorboard', 'torch.utils.tensorboard', 'wandb', 'mlflow') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

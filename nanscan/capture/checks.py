@@ -35,7 +35,8 @@ def _refuse_constant(name: str):
 
 def _parse_manifest(raw: bytes, manifest_path: str):
     if len(raw) > _MANIFEST_MAX_BYTES:
-        raise BundleError(f"{manifest_path} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB: not a manifest nanscan wrote")
+        raise BundleError(f"{manifest_path} is larger than {_MANIFEST_MAX_BYTES >> 20} MiB: "
+                          "not a manifest nanscan wrote")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

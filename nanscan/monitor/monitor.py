@@ -115,7 +115,8 @@ class Monitor:
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
     def __init__(self, model, optimizer=None, scaler=None, *, activations=True, activation_grads=True,
-                 compiled_grads="hooks", grads=True, params=True, buffers=True, optimizer_state=False, every=1, mode="sync", on_nonfinite="raise", allow=(),
+                 compiled_grads="hooks", grads=True, params=True, buffers=True, optimizer_state=False, every=1,
+                 mode="sync", on_nonfinite="raise", allow=(),
                  backend=None, capture_dir=None, keep_pre_update_state=False, log=None, eval_forwards="check",
                  headroom_bits=None, headroom_cast=None):
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
@@ -144,7 +145,8 @@ class Monitor:
         self._kernels: dict = {}  # device -> (one, many)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         self._info_of = {info.name: info for info in infos}
-        self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}  # (Note [modules changed after watch])
+        # (Note [modules changed after watch])
+        self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}
         self._recollect = False
         extension = self._extension = _ops.monitor_extension()
         if extension is None:
@@ -187,7 +189,8 @@ class Monitor:
         self._scaled_ref = None  # the last scaler.scale(loss) result
         self._clip_unknown = False  # clipped by a norm other than L2 in this step
         self._higher_order_step = None  # the step a gradient was taken with create_graph=True in
-        self._clip_norms: list = []  # total norms clip_grad_norm_ returned in this step (Note [grad norm before clipping])
+        # total norms clip_grad_norm_ returned in this step (Note [grad norm before clipping])
+        self._clip_norms: list = []
         self._raised = False  # a NonFiniteError was raised (close() then records, never raises)
         self.opened_by_callback = False  # (an integration's callback opened it: see integrations.transformers)
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
@@ -866,11 +869,17 @@ class Monitor:
                     block.extra_inputs = {name: tuple(rows) for name, rows in weight_inputs.items()}
             slots = list(slots) + traced_slots
             bad = bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
-            row = (lambda i: copy.row(i) if i < offset else traced_values[i - offset])
+
+            def row(i):
+                return copy.row(i) if i < offset else traced_values[i - offset]
+
             # Production order: eager records, the compiled rows, then the parameter gradients
             # (read after the backward; eager ones are last in index order already).
             grad_start = copy.grad_start if copy.grad_start is not None else offset
-            position = (lambda i: (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i)))
+
+            def position(i):
+                return (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i))
+
         training = not copy.eval  # (a read is of one window: the training one or the eval one)
         if training:
             self._check_hooks_ran(copy, slots)
@@ -1130,7 +1139,8 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                                       and hasattr(optimizer, "param_groups")):
         raise TypeError(f"nanscan.watch: optimizer must be a torch.optim.Optimizer (or None), got "
                         f"{type(optimizer).__name__}: {optimizer!r}"[:300])
-    if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "scale", None))):
+    if scaler is not None and not (callable(getattr(scaler, "step", None))
+                                   and callable(getattr(scaler, "scale", None))):
         raise TypeError(f"nanscan.watch: scaler must be a torch.amp.GradScaler (or None), got "
                         f"{type(scaler).__name__}: {scaler!r}"[:300])
     if scaler is not None and optimizer is None:

@@ -54,7 +54,8 @@ class Copy:
             device = blocks[0].device
             blocks = [b if b.device == device else b.to(device, non_blocking=True) for b in blocks]
             records = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-            parts.append(records if width == RECORD_SIZE else torch.nn.functional.pad(records, (0, width - RECORD_SIZE)))
+            parts.append(records if width == RECORD_SIZE
+                         else torch.nn.functional.pad(records, (0, width - RECORD_SIZE)))
         parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, width) for _, e in extras]
         if traced is not None:
             parts.append(traced)

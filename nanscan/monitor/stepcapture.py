@@ -110,6 +110,7 @@ class StepCapture:
             incident=incident.to_dict() if incident is not None else None,
             step=step, extra={"mode": self.mode, "keep_pre_update_state": self.keep_pre_update_state,
                               **({"inputs_of": saved["inputs_of"]} if saved.get("inputs_of") else {}),
-                              **({"autocast_entered": saved["autocast_entered"]} if saved.get("autocast_entered") else {})})
+                              **({"autocast_entered": saved["autocast_entered"]}
+                                 if saved.get("autocast_entered") else {})})
         self.bundle_step = step
         return self.bundle_path

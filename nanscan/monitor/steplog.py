@@ -116,7 +116,8 @@ class StepLog:
                 kept[label] = min(bits, kept.get(label, bits))
 
     def headroom_event(self, event) -> None:
-        fields = {("record_kind" if k == "kind" else k): v for k, v in event.to_dict().items() if k not in ("step", "rank")}
+        fields = {("record_kind" if k == "kind" else k): v for k, v in event.to_dict().items()
+                  if k not in ("step", "rank")}
         self._write(lambda: self.log.event("headroom", event.step, **fields))
 
     def clip_norm(self, step: int, value: Optional[float]) -> None:
@@ -169,9 +170,10 @@ class StepLog:
             elif e["grad_sumsq"] is not None:
                 grad_norm = math.sqrt(e["grad_sumsq"])
             extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
-            self._write(lambda: self.log.step(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
-                                              lr=e.get("lr"), update=e.get("update"), nonfinite=e["nonfinite"],
-                                              **extra))
+            # (_write calls it at once; a lambda, not a partial: self.log and e are read inside _write's try)
+            self._write(lambda step=step, e=e, grad_norm=grad_norm, extra=extra: self.log.step(
+                step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"], lr=e.get("lr"),
+                update=e.get("update"), nonfinite=e["nonfinite"], **extra))
 
     def _write(self, write) -> None:
         if self.error is not None:

@@ -97,7 +97,8 @@ def _install_clip_hook() -> None:
             return original(parameters, max_norm, norm_type, *args, **kwargs)
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         total = original(parameters, max_norm, norm_type, *args, **kwargs)
-        _tell("noting the gradient norm before clipping", lambda monitor: monitor._clipped(parameters, total, norm_type))
+        _tell("noting the gradient norm before clipping",
+              lambda monitor: monitor._clipped(parameters, total, norm_type))
         return total
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_

@@ -87,7 +87,8 @@ def _pick_rank(events: list, header: Optional[dict], rank: Optional[int]) -> tup
         if e.get("type") in ("step", "incident") and e.get("rank") not in ranks_seen:
             ranks_seen.append(e.get("rank"))
     if rank is None:
-        rank = header.get("rank") if header and header.get("rank") in ranks_seen else (ranks_seen[0] if ranks_seen else None)
+        rank = (header.get("rank") if header and header.get("rank") in ranks_seen
+                else (ranks_seen[0] if ranks_seen else None))
     return rank, ranks_seen
 
 
@@ -406,8 +407,9 @@ def summarize_bundle(manifest: dict, path: str = "") -> dict:
             "state": manifest.get("state"), "training": manifest.get("training"),
             "autocast": manifest.get("autocast") or {}, "model_precision": manifest.get("model_precision") or {},
             "inputs": manifest.get("inputs") or [], "environment": manifest.get("environment") or {},
-            "files": sorted(manifest["files"]) if isinstance(manifest.get("files"), dict) else [], "incidents": incidents,
-            "first_anomaly": focus, "first_unhandled_anomaly": focus if focus and not focus["handled_by_scaler"] else None,
+            "files": sorted(manifest["files"]) if isinstance(manifest.get("files"), dict) else [],
+            "incidents": incidents, "first_anomaly": focus,
+            "first_unhandled_anomaly": focus if focus and not focus["handled_by_scaler"] else None,
             "focus": focus, "verdict": _bundle_verdict(focus),
             "notes": ["a bundle holds one step: no timeline (give the run's JSONL event log for loss, grad norm, "
                       "loss scale and lr per step)"]}

@@ -143,7 +143,8 @@ def _draw_headroom(ax, headroom: dict) -> None:
             ax.scatter([s["overflow"]], [0.0], marker="X", s=70, color="#d62728", zorder=5,
                        label="overflow (non-finite)")
     if headroom["threshold"] is not None:
-        ax.axhline(headroom["threshold"], color="0.3", ls="--", lw=1, label=f"warning threshold ({headroom['threshold']:g} bits)")
+        ax.axhline(headroom["threshold"], color="0.3", ls="--", lw=1,
+                   label=f"warning threshold ({headroom['threshold']:g} bits)")
     ax.set_ylim(bottom=0)
     ax.set_ylabel("headroom (bits)\nlog2(dtype max / amax)")
 

@@ -49,8 +49,10 @@ def incident_text(inc: dict) -> str:
     counts = ""
     if s:
         counts = (f": {_int(s.get('nan_count'))} NaN, {_int(s.get('posinf_count'))} +Inf, "
-                  f"{_int(s.get('neginf_count'))} -Inf of {_int(s.get('numel'))} ({s.get('dtype', '?')}{s.get('shape', [])}"
-                  + ("" if s.get("first_nonfinite_index") is None else f", first at flat index {s['first_nonfinite_index']}")
+                  f"{_int(s.get('neginf_count'))} -Inf of {_int(s.get('numel'))} "
+                  f"({s.get('dtype', '?')}{s.get('shape', [])}"
+                  + ("" if s.get("first_nonfinite_index") is None
+                     else f", first at flat index {s['first_nonfinite_index']}")
                   + ("; no finite element)" if s.get("finite_min") is None else
                      f"; finite range [{_fmt(_num(s.get('finite_min')))}, {_fmt(_num(s.get('finite_max')))}])"))
     tail = "; GradScaler skipped the update (handled)" if inc.get("handled_by_scaler") else ""
@@ -173,7 +175,8 @@ def _anomaly_lines(label: str, a: dict) -> list:
         lines.append(f"  incident: {incident_text(incs[0]['incident'])}")
         if len(incs) > 1:
             lines.append("  then, same step: " + "; ".join(
-                f"{i['incident'].get('kind', '?')} '{i['incident'].get('name', '?')}' ({i['incident'].get('phase', '?')})"
+                f"{i['incident'].get('kind', '?')} '{i['incident'].get('name', '?')}' "
+                f"({i['incident'].get('phase', '?')})"
                 for i in incs[1:6]) + (f"; ... ({len(incs) - 6} more)" if len(incs) > 6 else ""))
         bundles = list(dict.fromkeys(i["bundle"] for i in incs if i.get("bundle")))
         for b in bundles:

@@ -29,7 +29,8 @@ def describe(sink: Any) -> str:
 
 def _hint(obj: Any) -> str:
     if isinstance(obj, (str, os.PathLike)):
-        return " A path is not a sink: JSONL(path) appends to an event log, TensorBoard(path) writes an event directory."
+        return (" A path is not a sink: JSONL(path) appends to an event log, "
+                "TensorBoard(path) writes an event directory.")
     if callable(getattr(obj, "add_scalar", None)):
         return " Wrap a SummaryWriter: TensorBoard(writer)."
     if callable(getattr(obj, "define_metric", None)):
@@ -60,7 +61,8 @@ def check_sink(sink: Any) -> Any:
     try:
         signature.bind(0, {})
     except TypeError:
-        raise TypeError(f"nanscan.telemetry: sink {describe(sink)}{signature} cannot be called as fn(step, scalars)") from None
+        raise TypeError(f"nanscan.telemetry: sink {describe(sink)}{signature} "
+                        "cannot be called as fn(step, scalars)") from None
     return sink
 
 

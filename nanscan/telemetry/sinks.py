@@ -161,7 +161,8 @@ class WandB(Sink):
             raise TypeError(f"nanscan.telemetry.WandB: run must be a W&B run (what wandb.init returns), got "
                             f"{type(run).__name__}")
         if step_metric is not None and (not isinstance(step_metric, str) or not step_metric):
-            raise TypeError(f"nanscan.telemetry.WandB: step_metric must be a non-empty str or None, got {step_metric!r}")
+            raise TypeError(f"nanscan.telemetry.WandB: step_metric must be a non-empty str or None, "
+                            f"got {step_metric!r}")
         self.run = run
         self.step_metric = step_metric
         self._defined: set = set()
