@@ -333,7 +333,11 @@ class Window {
         }
       }
     }
-    blocks_.push_back(summarize_many_with(summarize_, queued_));
+    at::Tensor block;
+    if (run_on(stream_, block, [&] { return summarize_many_with(summarize_, queued_); })) {
+      side_.note(stream_, block);
+    }
+    blocks_.push_back(std::move(block));
     queued_.clear();
     versions_.clear();
     bytes_ = 0;
@@ -342,6 +346,7 @@ class Window {
   py::tuple take() {
     flush();
     host_.seal_into(blocks_);
+    if (!side_.empty()) side_.join_into_current();  // (the read's stream: the current one now)
     py::list entries = entries_;
     entries_ = py::list();
     auto rows = std::make_shared<Rows>(std::move(rows_));
@@ -404,8 +409,11 @@ class Window {
       return true;
     }
     host_.seal_into(blocks_);
-    if (has_device_ && t.device() != device_) flush();
+    // One device and one stream per batch (Note [streams of queued tensors], streams.h).
+    const c10::Stream stream = current_stream(t.device());
+    if (has_device_ && (t.device() != device_ || stream != stream_)) flush();
     device_ = t.device();
+    stream_ = stream;
     has_device_ = true;
     return false;
   }
@@ -439,6 +447,8 @@ class Window {
   std::vector<int64_t> versions_;
   int64_t bytes_ = 0;
   c10::Device device_{c10::kCPU};
+  c10::Stream stream_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};  // (of every queued tensor)
+  SideStreams side_;  // (streams other than the reader's that summarized blocks since the last take)
   bool has_device_ = false;
 };
 
