@@ -1,4 +1,4 @@
-// The streams of queued device tensors. Header-only; included by grad_sink.h (and so recorder.cpp).
+// The streams of queued device tensors. Header-only; included by grad_sink.h (and so by every part of the module).
 //
 // Note [streams of queued tensors]
 // A device tensor is queued at its hook and summarized later, in a batch of up to 64 (one launch).
