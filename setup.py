@@ -51,7 +51,7 @@ if cuda_home:
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
-SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/recorder.cpp", "csrc/monitor/stamp_rows.cpp"]
+SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/module.cpp", "csrc/monitor/stamp_rows.cpp"]
 SOURCES_CUDA = ["csrc/cuda/summarize.cu"]
 
 

@@ -409,3 +409,50 @@ def test_stamp_summarizes_a_value_on_another_device_where_it_lives():
     assert_record_matches(buffer[1, :8].cpu(), reference.summarize(on_cpu), on_cpu)
     assert_record_matches(buffer[2, :8].cpu(), reference.summarize(on_gpu.cpu()), on_gpu.cpu())
     assert buffer[1:, 8].tolist() == [1.0, 2.0] and buffer[0].abs().sum().item() == 0.0
+
+
+class _SideStreamModel(torch.nn.Module):
+    """`a` runs on side stream s1 behind a long sleep (its output is written late); then, inside side
+    stream s2, 70 ReLUs -- more than a read batch (64 tensors) -- fill and flush a batch while s1 has
+    not written `a`'s output yet; the program joins both streams only before `head`, as it must."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+        self.b = torch.nn.Sequential(*[torch.nn.ReLU() for _ in range(70)])
+        self.s1, self.s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def forward(self, x):
+        main = torch.cuda.current_stream()
+        self.s1.wait_stream(main)
+        self.s2.wait_stream(main)
+        with torch.cuda.stream(self.s1):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: `a` is computed long after its hook ran
+            a = self.a(x)
+        with torch.cuda.stream(self.s2):
+            b = self.b(x)
+        main.wait_stream(self.s1)
+        main.wait_stream(self.s2)
+        a.record_stream(main)
+        b.record_stream(main)
+        return self.head(a + b)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_modules_on_unjoined_side_streams_are_read_after_they_are_written(mode):
+    # Without one stream per read batch (Note [streams of queued tensors], csrc/monitor/streams.h),
+    # `a`'s output is summarized on s2 when the ReLUs fill the batch -- before s1 wrote it: a record
+    # of stale memory, and the NaN is then named at `head` (or missed) instead of at `a`.
+    torch.manual_seed(0)
+    model = _SideStreamModel().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanscan.watch(model, opt, on_nonfinite="record", mode=mode) as mon:
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model.a.weight[0, 0] = float("nan")
+            model(torch.randn(8, 64, device="cuda")).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    first = mon.incidents[0]
+    assert (first.step, first.phase, first.name, first.kind, first.produced) == (1, "forward", "a", "activation", True)

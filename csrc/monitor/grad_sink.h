@@ -28,6 +28,7 @@
 
 #include "../inputs.h"
 #include "../record.h"
+#include "streams.h"
 
 #include <algorithm>
 #include <cstring>
@@ -242,6 +243,11 @@ class GradSink {
       return;
     }
     host_.seal_into(records_);  // (gradients summarized on arrival before this one: their records come first)
+    // One stream per batch (Note [streams of queued tensors], streams.h): the backward runs each
+    // node on its forward's stream.
+    const c10::Stream stream = current_stream(grad.device());
+    if (!pending_.empty() && stream != pending_stream_) flush_pending();
+    pending_stream_ = stream;
     pending_index_.push_back(index);
     pending_.push_back(grad);
     pending_version_.push_back(version_of(grad));
@@ -265,6 +271,7 @@ class GradSink {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       flush_locked();
+      if (!side_.empty()) side_.join_into_current();  // (the read's stream: this thread's current one)
       records.swap(records_);
       std::swap(*meta, meta_);
       // (The next read receives about as many: no reallocations as they arrive.)
@@ -288,7 +295,11 @@ class GradSink {
       const auto& g = pending_[k];
       meta_.add(pending_index_[k], g, pending_version_[k] >= 0 && version_of(g) != pending_version_[k]);
     }
-    records_.push_back(summarize_many_with(summarize_, pending_));
+    at::Tensor block;
+    if (run_on(pending_stream_, block, [&] { return summarize_many_with(summarize_, pending_); })) {
+      side_.note(pending_stream_, block);
+    }
+    records_.push_back(std::move(block));
     pending_.clear();
     pending_index_.clear();
     pending_version_.clear();
@@ -301,6 +312,8 @@ class GradSink {
   std::vector<at::Tensor> pending_;
   std::vector<int64_t> pending_index_, pending_version_;
   std::vector<at::Tensor> records_;
+  c10::Stream pending_stream_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};  // (of every pending gradient)
+  SideStreams side_;  // (streams other than the reader's that summarized blocks since the last take)
   GradMeta meta_;  // of the gradients received, in order (those pending not yet)
   HostRows host_;  // (at most one of host_ and pending_ holds rows: the records stay in order)
 };

@@ -1,0 +1,197 @@
+// One read window: entries in production order, their records summarized in batches of one
+// device and one stream.
+// (Part of the module csrc/monitor/module.cpp builds: one translation unit.)
+#pragma once
+
+#include "rows.h"
+#include "streams.h"
+
+#include <c10/util/flat_hash_map.h>
+
+#include <vector>
+
+namespace nanscan {
+
+// One read window: the entries in production order and their records, summarized in batches
+// (see nanscan/monitor/slots.py for why batches are safe: version counters mark a record stale).
+class Window {
+ public:
+  Window(py::object marker, py::object make_rows, py::object summarize, py::object on_stale, int64_t n_infos,
+         int64_t batch, int64_t batch_bytes)
+      : marker_(std::move(marker)), make_rows_(std::move(make_rows)),
+        summarize_(summarize.is_none() ? py::object() : std::move(summarize)), on_stale_(std::move(on_stale)),
+        n_infos_(n_infos), batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes), default_kernels_(!summarize_) {
+    rows_.last_frame.assign(n_infos_, -1);
+  }
+
+  int64_t generation = 0;
+  std::shared_ptr<std::vector<uint8_t>> eager;  // per module: never batch its records (set by Hooks)
+  Rows rows_;
+
+  int64_t size() const { return static_cast<int64_t>(PyList_GET_SIZE(entries_.ptr())); }
+
+  int64_t add_py(const at::Tensor& t, py::object slot) {
+    const bool now = before_add(t);
+    entries_.append(std::move(slot));
+    rows_.row_of.push_back(-1);
+    return after_add(t, now);
+  }
+
+  int64_t add_row(const at::Tensor& t, const Row& row) {
+    const bool now = before_add(t);
+    entries_.append(marker_);
+    rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
+    rows_.rows.push_back(row);
+    return after_add(t, now);
+  }
+
+  void add_block(const at::Tensor& records, py::object block, int64_t n) {
+    if (n <= 0) return;
+    flush();
+    host_.seal_into(blocks_);  // (the records before the block's, in order)
+    block.attr("start") = size();
+    blocks_.push_back(records);
+    for (int64_t k = 0; k < n; ++k) {
+      entries_.append(block);
+      rows_.row_of.push_back(-1);
+    }
+  }
+
+  void flush() {
+    if (queued_.empty()) return;
+    int64_t first = size() - static_cast<int64_t>(queued_.size());
+    for (size_t k = 0; k < queued_.size(); ++k) {
+      // Changed in place since its hook: the record would be of a later value.
+      if (versions_[k] >= 0 && version_of(queued_[k]) != versions_[k]) {
+        int64_t entry = first + static_cast<int64_t>(k);
+        int32_t r = rows_.row_of[entry];
+        if (r >= 0) {
+          rows_.rows[r].stale = true;
+          if (eager && rows_.rows[r].info >= 0) (*eager)[rows_.rows[r].info] = 1;
+        } else {
+          py::object slot = entries_[entry];
+          slot.attr("stale") = true;
+          if (!on_stale_.is_none()) on_stale_(slot);
+        }
+      }
+    }
+    at::Tensor block;
+    if (run_on(stream_, block, [&] { return summarize_many_with(summarize_, queued_); })) {
+      side_.note(stream_, block);
+    }
+    blocks_.push_back(std::move(block));
+    queued_.clear();
+    versions_.clear();
+    bytes_ = 0;
+  }
+
+  py::tuple take() {
+    flush();
+    host_.seal_into(blocks_);
+    if (!side_.empty()) side_.join_into_current();  // (the read's stream: the current one now)
+    py::list entries = entries_;
+    entries_ = py::list();
+    auto rows = std::make_shared<Rows>(std::move(rows_));
+    rows_ = Rows();
+    rows_.reserve_like(*rows, n_infos_);
+    known_.clear();
+    has_device_ = false;
+    ++generation;
+    py::object proxy = py::none();
+    if (!rows->rows.empty()) {
+      proxy = make_rows_(rows);
+      PyObject* marker = marker_.ptr();
+      for (Py_ssize_t i = 0, n = PyList_GET_SIZE(entries.ptr()); i < n; ++i) {
+        if (PyList_GET_ITEM(entries.ptr(), i) == marker) {
+          Py_INCREF(proxy.ptr());
+          PyList_SetItem(entries.ptr(), i, proxy.ptr());  // (steals the reference, releases the marker)
+        }
+      }
+    }
+    // The blocks as they are: the read stacks them with its other records in one cat (Copy.start).
+    py::list records;
+    for (auto& b : blocks_) records.append(py::cast(std::move(b)));
+    blocks_.clear();
+    return py::make_tuple(entries, records, proxy);
+  }
+
+  // The entry a live tensor was recorded at in this window (same object, same version), or -1.
+  int32_t lookup(const at::Tensor& t) const {
+    auto it = known_.find(t.unsafeGetTensorImpl());
+    if (it == known_.end() || it->second.ref.expired()) {
+      // A full alias of a recorded tensor (x.view_as(x): DTensor.from_local, which tensor
+      // parallelism applies to module inputs) holds the same values: the same record.
+      if (is_view(t)) {
+        const at::Tensor base(t._base());
+        if (base.defined() && base.sizes() == t.sizes() && base.strides() == t.strides() &&
+            base.storage_offset() == t.storage_offset() && base.scalar_type() == t.scalar_type()) {
+          return lookup(base);
+        }
+      }
+      return -1;
+    }
+    const Known& k = it->second;
+    if (k.version >= 0 && version_of(t) != k.version) return -1;
+    return k.entry;
+  }
+
+  void remember(const at::Tensor& t, int32_t entry) {
+    Known known{c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(t.getIntrusivePtr()), version_of(t),
+                entry};
+    known_.insert_or_assign(t.unsafeGetTensorImpl(), std::move(known));
+  }
+
+ private:
+  // Whether t is summarized on arrival (grad_sink.h: a CPU tensor with the default kernels) or
+  // queued; the records before its own are put in order first (at most one of host_ and queued_
+  // holds rows).
+  bool before_add(const at::Tensor& t) {
+    if (summarized_on_arrival(t, default_kernels_)) {
+      flush();
+      return true;
+    }
+    host_.seal_into(blocks_);
+    // One device and one stream per batch (Note [streams of queued tensors], streams.h).
+    const c10::Stream stream = current_stream(t.device());
+    if (has_device_ && (t.device() != device_ || stream != stream_)) flush();
+    device_ = t.device();
+    stream_ = stream;
+    has_device_ = true;
+    return false;
+  }
+
+  int64_t after_add(const at::Tensor& t, bool now) {
+    int64_t entry = size() - 1;
+    if (now) {  // (never stale: summarized as it is when recorded)
+      host_.add(t);
+      return entry;
+    }
+    queued_.push_back(t);
+    if (t.is_inference()) {  // no version counter to check: summarize it now
+      versions_.push_back(-1);
+      flush();
+      return entry;
+    }
+    versions_.push_back(version_of(t));
+    bytes_ += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+    if (static_cast<int64_t>(queued_.size()) >= batch_ || bytes_ >= batch_bytes_) flush();
+    return entry;
+  }
+
+  py::object marker_, make_rows_, summarize_, on_stale_;
+  int64_t n_infos_, batch_, batch_bytes_;
+  bool default_kernels_;
+  HostRows host_;  // records made on arrival, not yet sealed into a block
+  py::list entries_;
+  // (Open addressing: no node allocated per recorded tensor; clear() keeps the slots for the next window.)
+  ska::flat_hash_map<c10::TensorImpl*, Known> known_;
+  std::vector<at::Tensor> queued_, blocks_;
+  std::vector<int64_t> versions_;
+  int64_t bytes_ = 0;
+  c10::Device device_{c10::kCPU};
+  c10::Stream stream_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};  // (of every queued tensor)
+  SideStreams side_;  // (streams other than the reader's that summarized blocks since the last take)
+  bool has_device_ = false;
+};
+
+}  // namespace nanscan
