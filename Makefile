@@ -16,7 +16,7 @@ QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-war
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade "pip>=23" setuptools wheel
-	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib ninja
+	$(PY) -m pip install "torch==$(TORCH_VERSION)" numpy pytest pytest-benchmark matplotlib ninja "ruff==0.17.6"
 	# third-party models, the HF Trainer and Lightning for tests/test_real_models.py, test_integrations.py
 	# and test_lightning.py
 	$(PY) -m pip install "torchvision==$(TORCHVISION_VERSION)" "transformers==5.24.0" "timm==1.0.31" "accelerate==1.15.0" \
@@ -36,6 +36,7 @@ $(VENV)/.built: $(VENV)/.deps setup.py $(shell find csrc -type f -not -name '*.m
 build: $(VENV)/.built
 
 test: build
+	$(VENV)/bin/ruff check nanscan tests benchmarks setup.py
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q benchmarks $(QUICK_BENCH) --benchmark-columns=median,iqr,rounds --benchmark-sort=name
 

@@ -110,7 +110,8 @@ class Build(BuildExtension):
             if os.path.isdir(target):
                 with open(os.path.join(target, "_build_info.json"), "w") as f:
                     json.dump(info, f, indent=1)
-        print(f"nanscan: built CPU kernels{' and CUDA kernels for ' + info['cuda_archs'] if info['cuda_compiled'] else ''}")
+        cuda = f" and CUDA kernels for {info['cuda_archs']}" if info["cuda_compiled"] else ""
+        print(f"nanscan: built CPU kernels{cuda}")
 
 
 use_cuda = want_cuda()

@@ -41,7 +41,33 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_DIR = os.path.dirname(PACKAGE_DIR)
 BACKENDS = ("cpu", "cuda", "triton", "reference")
 OPS = ("summarize", "summarize_many", "triton_summarize", "triton_summarize_many", "stamp_rows_", "stamp")
-REBUILD_HINT = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`) in the nanscan checkout"
+
+
+def is_checkout(repo_dir: Optional[str] = None) -> bool:
+    """Whether nanscan runs from a source checkout (an editable install, or the tree on sys.path):
+    ``setup.py`` and ``csrc/`` sit beside the package. A wheel's package sits in site-packages with
+    neither, so its user has no checkout to rebuild in."""
+    repo_dir = REPO_DIR if repo_dir is None else repo_dir
+    return os.path.isfile(os.path.join(repo_dir, "setup.py")) and os.path.isdir(os.path.join(repo_dir, "csrc"))
+
+
+def rebuild_hint(env: str = "", repo_dir: Optional[str] = None) -> str:
+    """The fix for a missing, stale or mismatched library, for the way nanscan was installed: a
+    rebuild in the checkout, or a reinstall from source against the running torch (from the
+    package index, or from the source tree a ``pip install .`` came from: nanscan cannot tell
+    which, so the hint names both). (``--no-deps``:
+    a forced reinstall would otherwise reinstall torch too, maybe another version; ``--no-binary``:
+    pip would otherwise fetch the same prebuilt wheel again; ``--no-build-isolation``: the build
+    must see the torch that is installed, not a fresh one.) ``env``: variables to set for the build,
+    e.g. ``"NANSCAN_CUDA=1 "``."""
+    repo_dir = REPO_DIR if repo_dir is None else repo_dir
+    if is_checkout(repo_dir):
+        return f"rebuild it in the checkout: `cd {repo_dir} && {env}pip install --no-build-isolation --no-deps -e .`"
+    from nanscan._version import __version__
+
+    return (f"reinstall it from source against the installed torch: `{env}pip install --no-build-isolation "
+            f"--no-deps --force-reinstall --no-binary nanscan nanscan=={__version__}` (installed from a "
+            f"source tree: `{env}pip install --no-build-isolation --no-deps --force-reinstall .` in it)")
 
 
 class ExtensionError(ImportError):
@@ -66,20 +92,20 @@ def _load() -> Optional[ExtensionError]:
     """Load and check the compiled library; return the error instead of raising it."""
     path = library_path()
     if path is None:
-        return ExtensionError(f"nanscan's compiled library was not found in {PACKAGE_DIR}; {REBUILD_HINT}")
+        return ExtensionError(f"nanscan's compiled library was not found in {PACKAGE_DIR}; {rebuild_hint()}")
     info = build_info()
     if info is None:
-        return ExtensionError(f"{path} has no _build_info.json beside it, so it cannot be checked; {REBUILD_HINT}")
+        return ExtensionError(f"{path} has no _build_info.json beside it, so it cannot be checked; {rebuild_hint()}")
     if info.get("torch") != torch.__version__:
         return ExtensionError(f"{path} was built against torch {info.get('torch')} but torch "
-                              f"{torch.__version__} is running (the C++ ABI differs); {REBUILD_HINT}")
+                              f"{torch.__version__} is running (the C++ ABI differs); {rebuild_hint()}")
     if os.path.isdir(os.path.join(REPO_DIR, "csrc")) and source_hash(REPO_DIR) != info.get("source_hash"):
         return ExtensionError(f"{path} is stale: the C++/CUDA sources in {REPO_DIR}/csrc changed since it "
-                              f"was built; {REBUILD_HINT}")
+                              f"was built; {rebuild_hint()}")
     try:
         torch.ops.load_library(path)
     except OSError as e:  # keep the loader's message: it names the missing symbol or library
-        return ExtensionError(f"loading {path} failed: {e}; {REBUILD_HINT}")
+        return ExtensionError(f"loading {path} failed: {e}; {rebuild_hint()}")
     _register_python_kernels()
     return None
 
@@ -217,8 +243,8 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
         raise ValueError(f"{source}{chosen!r} summarizes {chosen} tensors, got a tensor on {device}")
     if chosen == "cuda" and not has_cuda_kernels():
         raise ExtensionError(f"the cuda backend was asked for but nanscan was built without CUDA kernels "
-                             f"(see `python -m nanscan info`); use backend='triton' or {REBUILD_HINT} "
-                             "with NANSCAN_CUDA=1")
+                             f"(see `python -m nanscan info`); use backend='triton', or "
+                             f"{rebuild_hint(env='NANSCAN_CUDA=1 ')}")
     return chosen
 
 

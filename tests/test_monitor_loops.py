@@ -698,7 +698,7 @@ class TwoInputs(nn.Module):
 
 @pytest.mark.parametrize("where", ["list", "dict", "subclass"])
 def test_batch_inputs_in_lists_dicts_and_tensor_subclasses_are_recorded_with_their_labels(where):
-    # The C++ walk (gather in csrc/monitor/recorder.cpp) tests plain tensors first, then containers,
+    # The C++ walk (gather in csrc/monitor/walk.h) tests plain tensors first, then containers,
     # and only then tensor subclasses (nn.Parameter here): a NaN in any of them is the batch's,
     # named where it sat, and the first layer that took it only propagated it.
     torch.manual_seed(0)

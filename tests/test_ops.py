@@ -95,6 +95,7 @@ def test_stale_or_missing_library_is_refused_loudly(monkeypatch):
     monkeypatch.setattr(_ops, "build_info", lambda: {"torch": "1.0.0", "source_hash": "x"})
     err = _ops._load()
     assert isinstance(err, nanscan.ExtensionError) and "built against torch 1.0.0" in str(err)
+    assert str(err).endswith(_ops.rebuild_hint())
     monkeypatch.setattr(_ops, "build_info", lambda: {"torch": torch.__version__, "source_hash": "x"})
     if (_ops.os.path.isdir(_ops.os.path.join(_ops.REPO_DIR, "csrc"))):
         assert "is stale" in str(_ops._load())
@@ -108,13 +109,59 @@ def test_stale_or_missing_library_is_refused_loudly(monkeypatch):
     assert nanscan.summarize(torch.ones(3), backend="reference").sumsq == 3.0
 
 
+def test_rebuild_hint_fits_the_install(tmp_path):
+    """A checkout (setup.py and csrc/ beside the package) is rebuilt in place; a wheel's user has no
+    checkout, so the fix is a reinstall from source against the torch that is installed."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site-packages"
+    (checkout / "csrc").mkdir(parents=True)
+    (checkout / "setup.py").write_text("")
+    site.mkdir()
+    assert _ops.is_checkout(str(checkout)) and not _ops.is_checkout(str(site))
+    assert _ops.rebuild_hint(repo_dir=str(checkout)) == (
+        f"rebuild it in the checkout: `cd {checkout} && pip install --no-build-isolation --no-deps -e .`")
+    wheel = _ops.rebuild_hint(env="NANSCAN_CUDA=1 ", repo_dir=str(site))
+    assert wheel == ("reinstall it from source against the installed torch: `NANSCAN_CUDA=1 pip install "
+                     "--no-build-isolation --no-deps --force-reinstall --no-binary nanscan "
+                     f"nanscan=={nanscan.__version__}` "
+                     "(installed from a source tree: `NANSCAN_CUDA=1 pip install --no-build-isolation --no-deps "
+                     "--force-reinstall .` in it)")
+
+
+def test_a_wheel_built_for_another_torch_says_to_reinstall(tmp_path):
+    """The package as a wheel installs it (no setup.py, no csrc/ beside it), its library built
+    against another torch: the error a wheel user sees names the reinstall, not a checkout."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    site = tmp_path / "site-packages"
+    library = _ops.os.path.basename(_ops.library_path())
+    shutil.copytree(_ops.PACKAGE_DIR, site / "nanscan", ignore=shutil.ignore_patterns("__pycache__", "_C*"))
+    (site / "nanscan" / library).write_bytes(b"")  # (never loaded: the torch version is checked first)
+    info_path = site / "nanscan" / "_build_info.json"
+    info = json.loads(info_path.read_text())
+    info["torch"] = "2.0.0"
+    info_path.write_text(json.dumps(info))
+    code = ("import torch, nanscan\n"
+            "try:\n    nanscan.summarize(torch.ones(3))\n"
+            "except nanscan.ExtensionError as e:\n    print(nanscan.__file__, e, sep='\\n')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**_ops.os.environ, "PYTHONPATH": str(site)},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out[0] == str(site / "nanscan" / "__init__.py")
+    assert "built against torch 2.0.0" in out[1]
+    assert out[1].endswith(_ops.rebuild_hint(repo_dir=str(site)))
+    assert f"--force-reinstall --no-binary nanscan nanscan=={nanscan.__version__}`" in out[1] and "-e ." not in out[1]
+
+
 def test_stamp_rows_writes_records_and_sequence_numbers():
     buffer = torch.zeros(6, 12, dtype=torch.float64)
     counter = torch.full((1,), 4.0, dtype=torch.float64)
     values = [torch.randn(3, 5), torch.tensor([1.0, float("nan")]), torch.zeros(4, dtype=torch.bfloat16)]
     values[0][1, 2] = float("inf")
     torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 2, 0, "")  # records: the default kernels'
-    torch.testing.assert_close(buffer[2:5, :8], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(buffer[2:5, :8], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0,
+                               equal_nan=True)
     assert buffer[2:5, 8].tolist() == [5.0, 6.0, 7.0]
     assert buffer[2:5, 9].tolist() == [1.0, 1.0, 1.0]  # each row's writes
     assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, 10:].abs().sum() == 0 and counter.item() == 7.0
@@ -217,7 +264,7 @@ def test_a_cpu_record_made_on_arrival_is_the_value_then_bit_for_bit(make):
 
 
 def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later_change_stale():
-    # The monitor's read window (csrc/monitor/recorder.cpp): with the default kernels a CPU tensor
+    # The monitor's read window (csrc/monitor/window.h): with the default kernels a CPU tensor
     # is summarized when it is recorded, so changing it afterwards changes nothing; with another
     # backend (a Python summarize_many) it waits for its batch, and a change before the batch marks
     # it stale rather than recording the later value as the earlier one.

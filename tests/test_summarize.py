@@ -1,6 +1,5 @@
 """Every compiled backend against the pure-PyTorch reference, over dtypes x shapes x layouts x values."""
 import json
-import os
 
 import pytest
 import torch
@@ -272,3 +271,65 @@ def test_fp32_sumsq_of_strided_views_is_as_accurate_as_contiguous(layout):
          "step_sliced": lambda: torch.rand(65536 * 3 * 3, generator=gen)[::3]}[layout]()
     want = x.double().pow(2).sum().item()
     assert abs(nanscan.summarize(x).sumsq - want) / want < 2e-5
+
+
+def _blocked_fp32_sum(squares: torch.Tensor) -> float:
+    """The FP32 sum the kernels' blocking implies, done here one rounding at a time: sequential sums
+    of 256 squares, then of a 64K chunk's 256 block sums, then of the chunks' sums."""
+    acc = torch.zeros(squares.numel() // 256)
+    for column in squares.view(-1, 256).unbind(1):
+        acc += column  # one FP32 rounding per element, like one lane of a kernel
+    chunk = torch.zeros(acc.numel() // 256)
+    for column in acc.view(-1, 256).unbind(1):
+        chunk += column
+    total = torch.zeros(())
+    for part in chunk:
+        total += part
+    return total.item()
+
+
+SUMSQ_LAYOUTS = {  # (shape of the tensor made, view of it): 2**20 elements, every way the kernels walk one
+    "contiguous": ((1024, 1024), lambda t: t),
+    "transposed": ((1024, 1024), lambda t: t.t()),
+    "channels_last": ((16, 32, 32, 64), lambda t: t.permute(0, 3, 1, 2)),
+    "row_sliced": ((1024, 1536), lambda t: t[:, :1024]),
+    "step_sliced": ((1024, 2048), lambda t: t[:, ::2]),
+    "expanded": ((1024, 1), lambda t: t.expand(1024, 1024)),
+}
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_sumsq_is_as_accurate_on_every_layout(backend, device, dtype):
+    """Contiguous, permuted, sliced and expanded tensors, alone and in one summarize_many, all sum
+    their squares in FP32 blocks of 256: each relative error is within 2x of that of the blocked
+    sum (or of 4 FP32 ulps, where rounding noise dominates). The squares of bf16 / fp16 values have
+    biased low bits, so a longer sequential sum is measurably low, not just noisier."""
+    gen = torch.Generator().manual_seed(0)
+    # (the view is taken on the device and after the cast: .to() of a strided view is contiguous)
+    xs = {name: view(torch.randn(shape, generator=gen).to(device, dtype))
+          for name, (shape, view) in SUMSQ_LAYOUTS.items()}
+    assert xs["channels_last"].is_contiguous(memory_format=torch.channels_last)
+    assert not any(x.is_contiguous() for name, x in xs.items() if name != "contiguous")
+    rows = nanscan.records(list(xs.values()), backend=backend).cpu()
+    for (name, x), row in zip(xs.items(), rows):
+        squares = x.cpu().float().reshape(-1) ** 2
+        want = squares.double().sum().item()
+        bound = 2 * max(abs(_blocked_fp32_sum(squares) - want) / want, 2.0 ** -22)
+        for how, got in (("record", nanscan.record(x, backend=backend)[6].item()), ("records", row[6].item())):
+            assert abs(got - want) / want <= bound, (name, how, abs(got - want) / want, bound)
+
+
+def test_cpu_sums_of_chunk_sums_are_blocked_too():
+    """A tensor of more than 256 chunks (16M elements) adds its chunks' FP32 sums in blocks of 256
+    as well. One big square, then one 1.0 per 64K chunk: a sequential FP32 sum drops every 1.0
+    (2**24 + 1 rounds back to 2**24); in blocks, the second block's 256 ones survive."""
+    chunk, n_chunks = 65536, 512
+    x = torch.zeros(n_chunks * chunk, dtype=torch.bfloat16)
+    x[::chunk] = 1.0
+    x[0] = 4096.0  # square 2**24
+    chunk_sums = x.view(n_chunks, chunk).float().pow(2).sum(1)  # exact: one nonzero per chunk
+    want = chunk_sums.double().sum().item()
+    blocked = _blocked_fp32_sum(torch.cat([chunk_sums, torch.zeros(256 * 256 - n_chunks)]))
+    got = nanscan.summarize(x, backend="cpu").sumsq
+    assert blocked > 2.0 ** 24 and abs(got - want) <= abs(blocked - want)

@@ -193,6 +193,93 @@ def test_summarize_many(impl):
         assert_record_matches(got[i], reference.summarize(x), x, f"row {i}")
 
 
+class _Subclass(torch.Tensor):
+    """A tensor subclass: its data pointer is not trusted to be its values (DTensor, fake tensors)."""
+
+
+def fast_and_slow_list():
+    """Tensors the pointer table reads in place (contiguous plain tensors of every read kind, at
+    aligned and unaligned addresses) beside every kind it must not (views that are not contiguous,
+    a negative bit, complex, fp16 under the interpreter, a subclass)."""
+    gen = torch.Generator().manual_seed(5)
+    base = cast(special_values("mixed", 400, gen), torch.float32).to(DEVICE)
+    z = cast(special_values("mixed", 40, gen), torch.complex64).to(DEVICE)
+    fast = [base[:100], base[1:97].reshape(8, 12), torch.nn.Parameter(base[100:200].clone()), base[:0],
+            base[5].clone(), cast(special_values("nan_last", 70, gen), torch.float64).to(DEVICE),
+            cast(special_values("random", 30, gen), torch.int32).to(DEVICE),
+            cast(special_values("random", 30, gen), torch.bool).to(DEVICE),
+            *[cast(special_values("mixed", 40, gen), d).to(DEVICE) for d in FLOAT8_ALL]]
+    slow = [base[:96].reshape(8, 12).t(), base[::3], z, z.conj().imag, base[200:240].as_subclass(_Subclass)]
+    if tk.INTERPRETING:
+        slow.append(cast(special_values("mixed", 40, gen), torch.float16).to(DEVICE))
+    else:
+        fast.append(cast(special_values("mixed", 40, gen), torch.float16).to(DEVICE))
+    xs = [x for pair in zip(fast, slow + [None] * len(fast)) for x in pair if x is not None]
+    return xs, slow
+
+
+def test_table_reads_contiguous_tensors_without_preparing_them(monkeypatch):
+    """The pointer table takes a contiguous plain tensor's address and numel directly: _prepare
+    (8 - 15 us of Python per tensor) runs only for the tensors it must convert; the records are
+    the reference's and bit for bit those of the path that prepares every tensor."""
+    xs, slow = fast_and_slow_list()
+    prepared = []
+    real_prepare = tk._prepare
+
+    def counting(x, op):
+        prepared.append(x)
+        return real_prepare(x, op)
+
+    monkeypatch.setattr(tk, "_prepare", counting)
+    got = tk._summarize_many_table(xs)
+    assert [id(x) for x in prepared] == [id(x) for x in slow]
+    for i, x in enumerate(xs):
+        assert_record_matches(got[i], reference.summarize(x), x, f"row {i}")
+    monkeypatch.setattr(tk, "_FAST_DTYPES", {})  # every tensor through _prepare
+    assert torch.equal(tk._summarize_many_table(xs), got)
+    assert len(prepared) == len(slow) + len(xs)
+
+
+def test_table_of_thousands_of_tensors_is_the_prepared_one(monkeypatch):
+    """2000 tensors (no launch: the host table only), contiguous ones at every 4-byte alignment
+    among the others: the same table, plan and device with and without the fast path (but for
+    the addresses of the copies that both make of the tensors that are not read in place)."""
+    xs, slow = fast_and_slow_list()
+    gen = torch.Generator().manual_seed(6)
+    buffer = torch.randn(70000, generator=gen).to(DEVICE)
+    xs = [buffer[k * 33:k * 33 + 1 + k % 70] if k % 7 else xs[k // 7 % len(xs)] for k in range(2000)]
+    op = "nanscan.triton_summarize_many"
+    meta, plan, device, copies = tk._table_host(xs, op)
+    monkeypatch.setattr(tk, "_FAST_DTYPES", {})
+    slow_meta, slow_plan, slow_device, _ = tk._table_host(xs, op)
+    n = len(xs)
+    in_place = torch.tensor([not any(x is y for y in slow) for x in xs])
+    assert len(copies) == n - int(in_place.sum())
+    assert torch.equal(meta[:n][in_place], slow_meta[:n][in_place])
+    assert torch.equal(meta[n:], slow_meta[n:]) and plan == slow_plan and device == slow_device
+    assert len({aligned for (_, _, _, aligned), *_ in plan}) == 2
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized / nested tensor creation warnings
+def test_table_refuses_what_it_refused(monkeypatch):
+    ok = torch.zeros(2, device=DEVICE)
+    table = tk._summarize_many_table
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo .*supported: float64"):
+        table([ok, ok.to_sparse()])
+    with pytest.raises(TypeError, match="nested"):
+        table([ok, torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]).to(DEVICE)])
+    with pytest.raises(TypeError, match="quantized"):  # (quantized tensors live on the CPU)
+        table([torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)])
+    with pytest.raises(TypeError, match="expected a list of torch.Tensor, got an element of type str"):
+        table([ok, "not a tensor"])
+    with pytest.raises(ValueError, match="one device"):
+        table([ok, torch.zeros(2, device="meta")])
+    monkeypatch.setattr(tk, "INTERPRETING", False)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            table([ok, ok])
+
+
 def test_summarize_many_edge_cases():
     assert tk.summarize_many([]).shape == (0, 8)
     assert tk._summarize_many_table([]).shape == (0, 8)
@@ -247,8 +334,9 @@ CHUNK = BLOCK * ITERS
 
 @pytest.fixture
 def rescans(monkeypatch):
-    """For every rescan the kernels ran, the offset of its chunk in its tensor; None on a GPU. Under the interpreter a kernel looks its callees up in the module at every call, so a
-    counting wrapper around ``_rescan`` sees each one."""
+    """For every rescan the kernels ran, the offset of its chunk in its tensor; None on a GPU. Under the
+    interpreter a kernel looks its callees up in the module at every call, so a counting wrapper around
+    ``_rescan`` sees each one."""
     if not tk.INTERPRETING:
         return None
     starts = []

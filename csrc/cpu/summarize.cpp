@@ -94,8 +94,15 @@ inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index, const Map& map
   p.sumsq += v * v;
 }
 
-// Scalar loops sum squares in blocks of kBlock elements, then add the block sums: a sequential FP32
-// sum over a 64K chunk loses ~1e-4 relative accuracy, two levels of 256 stay near 1e-6.
+// Every FP32 accumulator of squares takes at most kBlock of them before its sum is set aside and a
+// new one starts; the block sums are then added (and a tensor's chunk sums, in merge_chunks, in
+// blocks of kBlock too). The scalar loops' blocks are kBlock consecutive elements, the vector
+// loops' (scan_contiguous) kBlock elements per lane, and the CUDA and Triton kernels' threads /
+// lanes see at most 256 elements of a chunk, so every path, contiguous or strided, rounds sums of
+// the same size. Why it matters: each addition's rounding error scales with the running sum, and
+// the squares of 8-16-bit floats have few significant bits whose low ones are biased (the square
+// of an integer mantissa is 0 or 1 mod 4), so the roundings do not average out: a sequential FP32
+// sum over a 64K chunk of bf16 randn squares comes out ~4e-6 low, a blocked one ~3e-7.
 constexpr int64_t kBlock = 256;
 
 template <typename scalar_t, typename Load, typename Map = Identity>
@@ -195,7 +202,8 @@ struct VecState {
   using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
   Vec vmin = Vec(std::numeric_limits<acc_t>::infinity());
   Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
-  Vec sumsq = Vec(acc_t(0));
+  Vec sumsq = Vec(acc_t(0));   // this block's squares, per lane
+  Vec blocks = Vec(acc_t(0));  // the finished blocks' sums, per lane
   IVec neg_zeros = IVec(0);  // minus the zero count: each true lane of (v == 0) adds -1
 
   inline void add(const Vec& v) {
@@ -205,6 +213,14 @@ struct VecState {
     neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
   }
 
+  // Sets the block's per-lane sums aside (see kBlock): one add per vector of lanes per block.
+  inline void end_block() {
+    blocks = blocks + sumsq;
+    sumsq = Vec(acc_t(0));
+  }
+
+  inline Vec total_sumsq() const { return blocks + sumsq; }
+
   // Reduction of several states in a fixed order -- lanewise across the states first, then one
   // horizontal pass (for small tensors this reduction is most of the work) --; false if the sum of
   // squares is not finite (a non-finite input, or an overflow: the caller rescans, and the scalar
@@ -212,12 +228,12 @@ struct VecState {
   template <size_t N>
   static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
-    Vec vmin = states[0].vmin, vmax = states[0].vmax, sumsq = states[0].sumsq;
+    Vec vmin = states[0].vmin, vmax = states[0].vmax, sumsq = states[0].total_sumsq();
     IVec neg_zeros = states[0].neg_zeros;
     for (size_t k = 1; k < N; ++k) {
       vmin = at::vec::clamp_max(vmin, states[k].vmin);
       vmax = at::vec::clamp_min(vmax, states[k].vmax);
-      sumsq = sumsq + states[k].sumsq;  // (squares are >= 0: the sum is finite iff every part is)
+      sumsq = sumsq + states[k].total_sumsq();  // (squares are >= 0: the sum is finite iff every part is)
       neg_zeros = neg_zeros + states[k].neg_zeros;
     }
     at::vec::int_same_size_t<acc_t> lzero[n];
@@ -285,9 +301,18 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
         state.add(hi);
       }
     };
+    // A step gives every lane In::size() / Vec::size() elements (two for fp16 / bf16, widened into
+    // two float vectors); a block gives every lane kBlock of them, as the scalar loops' blocks.
+    constexpr int64_t kPerLane = In::size() / at::vec::Vectorized<acc_t>::size();
+    constexpr int64_t kBlockElems = kStep * (kBlock / kPerLane);
+    static_assert(kBlock % kPerLane == 0, "a block is whole steps");
     const int64_t unrolled_end = begin + (end - begin) / kStep * kStep;
-    for (int64_t i = begin; i < unrolled_end; i += kStep) {
-      for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
+    for (int64_t i = begin; i < unrolled_end;) {
+      const int64_t block_end = std::min(unrolled_end, i + kBlockElems);
+      for (; i < block_end; i += kStep) {
+        for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
+      }
+      for (auto& state : states) state.end_block();
     }
     // The whole vectors left (all of a tensor shorter than one unrolled step: a bias, an
     // activation of a small layer) go into the first state; only the last partial vector is scalar.
@@ -386,17 +411,23 @@ struct WorkItem {
 };
 
 // One input's record from its chunks, scanned and merged in order: the FP32 sum of squares of an
-// FP32 input is the FP32 sum of the chunks' FP32 sums, as in the threaded path below.
+// FP32 input is the FP32 sum of the chunks' FP32 sums, as in the threaded path below -- in blocks
+// of kBlock chunks too (a tensor of more than 16M elements has more than kBlock chunks).
 template <typename Scan>
 void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* out) {
   Partial<double> total;
   const bool fp32_sum = sums_in_fp32(input.scalar_type());
-  float sumsq32 = 0.0f;
+  float sumsq32 = 0.0f, block32 = 0.0f;
   for (int64_t c = 0; c < n_chunks; ++c) {
     const Partial<double>& part = scan(c);
     total.merge(part);
-    sumsq32 += static_cast<float>(part.sumsq);
+    block32 += static_cast<float>(part.sumsq);
+    if ((c + 1) % kBlock == 0) {
+      sumsq32 += block32;
+      block32 = 0.0f;
+    }
   }
+  sumsq32 += block32;
   if (fp32_sum) total.sumsq = sumsq32;
   total.write(out);
 }

@@ -48,6 +48,11 @@ Known limitations:
   the "device" pointers are CPU addresses). During CUDA graph capture ``summarize_many`` falls
   back to two launches per tensor: a captured copy would re-read this call's host table -- a
   temporary pinned buffer -- at every replay, long after it was freed or reused.
+  The table's host side costs ~1 us of Python per tensor: a contiguous plain tensor (not a
+  subclass, no negative bit; not fp16 / bf16 under the interpreter) contributes its data pointer
+  and numel only, and the per-tensor arithmetic runs on small CPU tensors; every other tensor is
+  validated and converted one by one (``_prepare``, 8 - 15 us). ``benchmarks/triton_host.py``
+  measures it.
 * Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS) were
   chosen from register counts and instruction mixes of the kernels compiled ahead of time for
   sm_90 (``benchmarks/triton_isa.py``), not tuned by measurement on a GPU.
@@ -640,18 +645,135 @@ def summarize_many(xs: list) -> torch.Tensor:
     (element kind, alignment) group and one stage-2 launch for all tensors, no host sync. Under
     ``TRITON_INTERPRET=1``, and during CUDA graph capture (the table is built on the host per call,
     in a temporary pinned buffer that a captured copy would re-read at every replay after it was
-    freed), it is a Python loop of two launches per tensor writing rows of the output. An empty list gives a ``[0, 8]`` CPU tensor."""
+    freed), it is a Python loop of two launches per tensor writing rows of the output. An empty list
+    gives a ``[0, 8]`` CPU tensor."""
     op = "nanscan.triton_summarize_many"
-    xs = _check_list(xs, op)
+    xs = list(xs)
     if not xs:
         return torch.empty((0, RECORD_SIZE), dtype=torch.float64)
-    if INTERPRETING or xs[0].device.type != "cuda" or _capturing(xs[0].device):
+    first = xs[0]
+    if (not isinstance(first, torch.Tensor) or INTERPRETING or first.device.type != "cuda"
+            or _capturing(first.device)):
+        xs = _check_list(xs, op)
         prepared = [_prepare(x, op) for x in xs]  # validate everything before launching anything
         out = torch.empty((len(xs), RECORD_SIZE), dtype=torch.float64, device=prepared[0][0].device)
         for row, (t, kind, acc64) in zip(out, prepared):
             _summarize_prepared(t, kind, acc64, row)
         return out
     return _summarize_many_table(xs)
+
+
+# The pointer table's fast path (_table_host). A plain tensor (not a subclass: a DTensor's or a fake
+# tensor's data pointer is not its values) that is strided, contiguous, not nested and carries no
+# negative bit is read in place by the kernels, so its entry is its address and numel -- none of
+# _prepare's validation, detach, reshape and views (8 - 15 us of Python per tensor, most of
+# summarize_many's host time for a model's parameters). Every other tensor takes _prepare.
+_FAST_TYPES = frozenset([torch.Tensor, torch.nn.Parameter])
+# Every (kind, acc64, pointer code, element size) a tensor can be read as -- its launch group but for
+# alignment --, numbered so that the table's per-tensor arithmetic runs on small ints. (_prepare's
+# conversions -- complex to real, bool / float8 to bytes, fp16 / bf16 to fp32 under the interpreter
+# -- all end in one of these.)
+_READ_KINDS = tuple(dict.fromkeys(
+    (kind, acc64, _PTR_CODE[view_as or dtype], (view_as or dtype).itemsize)
+    for dtype, (kind, acc64, view_as) in _DTYPE_INFO.items()))
+_READ_KIND_ID = {key: i for i, key in enumerate(_READ_KINDS)}
+# dtype -> read kind of the tensors the fast path takes; under the interpreter fp16 / bf16 are left
+# to _prepare, which converts them (see the module docstring).
+_FAST_DTYPES = {
+    dtype: _READ_KIND_ID[(kind, acc64, _PTR_CODE[view_as or dtype], (view_as or dtype).itemsize)]
+    for dtype, (kind, acc64, view_as) in _DTYPE_INFO.items()
+    if not (INTERPRETING and dtype in (torch.float16, torch.bfloat16))
+}
+
+
+def _entries(xs: list, op: str):
+    """Validate ``xs`` and return what the pointer table needs of each tensor: ``(ptrs, numels,
+    read_kinds, device, keep)`` -- data pointers, element counts, indices into _READ_KINDS,
+    the common device, and the contiguous copies made for inputs that are not read in place
+    (they must live until the launches are queued). Contiguous plain tensors take the fast path
+    (see _FAST_TYPES); the rest, and every error, go through _prepare, in list order."""
+    n = len(xs)
+    ptrs, numels, kinds = [0] * n, [0] * n, [0] * n
+    slow = []
+    device = xs[0].device if n and isinstance(xs[0], torch.Tensor) else None
+    fast = _FAST_DTYPES.get
+    strided = torch.strided
+    for i, x in enumerate(xs):
+        kind_id = fast(x.dtype) if type(x) in _FAST_TYPES else None
+        if (kind_id is not None and x.layout is strided and not x.is_nested and x.is_contiguous()
+                and not x.is_neg() and x.device == device):
+            ptrs[i] = x.data_ptr()
+            numels[i] = x.numel()
+            kinds[i] = kind_id
+        else:
+            slow.append(i)
+    if slow:
+        _check_list(xs, op)  # a non-tensor, or tensors on several devices: the errors it always gave
+    if device.type == "cpu" and not INTERPRETING:
+        _prepare(xs[0], op)  # raises what the first tensor's preparation raised: a TypeError, or the CPU ValueError
+    keep = []
+    for i in slow:
+        t, kind, acc64 = _prepare(xs[i], op)
+        keep.append(t)
+        ptrs[i] = t.data_ptr()
+        numels[i] = t.numel()
+        kinds[i] = _READ_KIND_ID[(kind, acc64, _PTR_CODE[t.dtype], t.element_size())]
+    return ptrs, numels, kinds, device, keep
+
+
+def _table_host(xs: list, op: str, block=None, iters=None):
+    """The host side of ``_summarize_many_table``: validate ``xs`` (_entries), group the tensors
+    and number their chunks, with nothing launched and nothing copied to the device.
+
+    Returns ``(meta_host, plan, device, keep)``: the int64 table (data pointers, numels, first
+    chunk and chunk count per tensor, float64-accumulation flags, then the owning tensor of every
+    chunk), one ``((kind, acc64, code, aligned), first chunk, chunks, iters, block)`` per launch
+    group, the common device, and _entries' copies."""
+    n = len(xs)
+    ptrs, numels, kinds, device, keep = _entries(xs, op)
+
+    # Groups (kind, acc64, pointer code, 16-byte alignment) in order of first appearance; every
+    # group's chunks are numbered consecutively in one global chunk space. Per-tensor arithmetic is
+    # done on CPU tensors, not in Python.
+    numel_t = torch.tensor(numels, dtype=torch.int64)
+    ptr_t = torch.tensor(ptrs, dtype=torch.int64)
+    ptr_t.masked_fill_(numel_t == 0, 0)  # (an empty tensor's address is never read)
+    kind_of = torch.tensor(kinds, dtype=torch.int64)
+    aligned = (ptr_t & 15) == 0  # (not remainder(16): integer remainder is ~200 ns an element on CPU)
+    group_of = torch.where(numel_t > 0, kind_of * 2 + aligned, -1)  # -1: no chunks (stage 2 writes the identity)
+    group_keys, first_at = [], []
+    for g in torch.unique(group_of).tolist():
+        if g >= 0:
+            first_at.append(int((group_of == g).nonzero()[0]))
+            group_keys.append(g)
+    acc = torch.tensor([int(k[1]) for k in _READ_KINDS], dtype=torch.int64)[kind_of]
+    nch = torch.zeros(n, dtype=torch.int64)
+    cbase = torch.zeros(n, dtype=torch.int64)
+    order, plan, total = [], [], 0
+    for _, g in sorted(zip(first_at, group_keys)):
+        kind, acc64, code, size = _READ_KINDS[g // 2]
+        idx = (group_of == g).nonzero().squeeze(1)
+        sizes = numel_t[idx]
+        g_block = block or _block_for(kind, size)
+        g_iters = iters or _iters_for(int((sizes + g_block - 1).div(g_block, rounding_mode="floor").sum()))
+        assert 1 <= g_iters <= _MAX_ITERS_PACKED and g_block % _UNROLL == 0, (g_iters, g_block)
+        chunk = g_block * g_iters
+        counts = (sizes + chunk - 1).div(chunk, rounding_mode="floor")
+        nch[idx] = counts
+        cbase[idx] = total + counts.cumsum(0) - counts
+        count = int(counts.sum())
+        plan.append(((kind, acc64, code, g % 2 == 1), total, count, g_iters, g_block))
+        order.append(idx)
+        total += count
+    # The owner of every chunk: tensor order_t[k] owns the counts[k] chunks from its cbase on (each
+    # tensor in order_t has at least one). (Not repeat_interleave: on CPU it is a parallel_for with
+    # grain 1, which waits for the thread pool even for a few thousand elements.)
+    order_t = torch.cat(order) if order else torch.zeros(0, dtype=torch.int64)
+    starts = torch.zeros(total, dtype=torch.int64)
+    starts[cbase[order_t[1:]]] = 1
+    owner = order_t[starts.cumsum(0)] if total else order_t
+    meta_host = torch.cat([ptr_t, numel_t, cbase, nch, acc, owner])
+    return meta_host, plan, device, keep
 
 
 def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor:
@@ -662,45 +784,17 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     group's chunks are numbered consecutively in one global chunk space, so one stage-1 launch per
     group writes its partials and one stage-2 launch writes every record. The tables (data
     pointers, numels, first chunk and chunk count per tensor, float64-accumulation flags, and the
-    owning tensor of every chunk) travel in one int64 host-to-device copy."""
+    owning tensor of every chunk) travel in one int64 host-to-device copy; ``_table_host`` builds
+    them."""
     op = "nanscan.triton_summarize_many"
-    xs = _check_list(xs, op)
+    xs = list(xs)
     if not xs:
         return torch.empty((0, RECORD_SIZE), dtype=torch.float64)
-    prepared = [_prepare(x, op) for x in xs]
-    device = prepared[0][0].device
-    n = len(prepared)
+    # (_keep: the contiguous copies of inputs not read in place, alive until the launches are queued)
+    meta_host, plan, device, _keep = _table_host(xs, op, _block, _iters)
+    n = len(xs)
+    total = sum(count for _, _, count, _, _ in plan)
     out = torch.empty((n, RECORD_SIZE), dtype=torch.float64, device=device)
-
-    groups: dict = {}
-    for i, (t, kind, acc64) in enumerate(prepared):
-        if t.numel() == 0:
-            continue  # no chunks: stage 2 writes the identity record
-        key = (kind, acc64, _PTR_CODE[t.dtype], t.data_ptr() % 16 == 0)
-        groups.setdefault(key, []).append(i)
-
-    cbase, nch = [0] * n, [0] * n
-    order, plan = [], []
-    total = 0
-    for key, idxs in groups.items():
-        block = _block or _block_for(key[0], prepared[idxs[0]][0].element_size())
-        iters = _iters or _iters_for(sum(triton.cdiv(prepared[i][0].numel(), block) for i in idxs))
-        assert 1 <= iters <= _MAX_ITERS_PACKED and block % _UNROLL == 0, (iters, block)
-        chunk = block * iters
-        start = total
-        for i in idxs:
-            cbase[i] = total
-            nch[i] = triton.cdiv(prepared[i][0].numel(), chunk)
-            total += nch[i]
-        order.extend(idxs)
-        plan.append((key, start, total - start, iters, block))
-
-    ptrs = [t.data_ptr() if t.numel() else 0 for t, _, _ in prepared]
-    numels = [t.numel() for t, _, _ in prepared]
-    acc = [int(a) for _, _, a in prepared]
-    owner = torch.repeat_interleave(torch.tensor(order, dtype=torch.int64),
-                                    torch.tensor([nch[i] for i in order], dtype=torch.int64))
-    meta_host = torch.cat([torch.tensor(ptrs + numels + cbase + nch + acc, dtype=torch.int64), owner])
     if device.type == "cuda":
         # pinned, so the copy is truly asynchronous (no wait on the stream); the caching host
         # allocator keeps the pinned block until the copy has completed

@@ -1,7 +1,7 @@
 """Eager hooks: what the monitor records while a module runs outside a compiled graph.
 
 Per module call, a forward pre-hook and a forward hook: Python wrappers of two lines around the C++
-hooks (``csrc/monitor/recorder.cpp``), which do the work -- walk the inputs and outputs, keep the
+hooks (``csrc/monitor/hooks.h``), which do the work -- walk the inputs and outputs, keep the
 tensor-identity map, make a row per record, hand the tensor to the read window
 (:class:`nanscan._C.Window`: summarized in batches on a device, on arrival on the CPU) and tap its
 gradient: per recorded module output that has an autograd node, one C++ pre-hook on that node
@@ -184,7 +184,7 @@ def children(value) -> Optional[list]:
     (``vars()``: an HF ``DynamicCache`` and its layers' keys and values); ``[]`` for a value that
     holds no tensor; None for one nanscan cannot see into (a generator, an object with neither
     ``__dict__`` nor a known layout) -- the caller's values computed from it are then "cannot
-    tell". Called by ``gather`` in csrc/monitor/recorder.cpp, only for such values."""
+    tell". Called by ``gather`` in csrc/monitor/walk.h, only for such values."""
     if isinstance(value, _LEAVES):
         return []
     if dataclasses.is_dataclass(value):
@@ -201,7 +201,7 @@ def children(value) -> Optional[list]:
 
 def float_tensors(value, prefix: str, out: list) -> list:
     """Append ``(label, tensor)`` for every floating / complex tensor inside ``value``. (The compiled
-    path's walk: dynamo traces it. The C++ hooks walk the same way: ``gather`` in recorder.cpp.)"""
+    path's walk: dynamo traces it. The C++ hooks walk the same way: ``gather`` in csrc/monitor/hooks.h.)"""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex():
             out.append((prefix, value))
@@ -219,7 +219,7 @@ def float_tensors(value, prefix: str, out: list) -> list:
 
 class EagerHooks:
     """Forward hooks of one watched model: per module a pre-hook and a hook, two-line Python
-    wrappers around the C++ :class:`nanscan._C.Hooks` (``csrc/monitor/recorder.cpp``) that take the
+    wrappers around the C++ :class:`nanscan._C.Hooks` (``csrc/monitor/hooks.h``) that take the
     compiled path (:class:`nanscan.monitor.traced.TracedRows`) while dynamo traces them. The C++
     side calls back into this object for the rare events: an outermost call begins
     (:meth:`begin`: the monitor decides step and phase), a forward ends, the model returned its

@@ -2,7 +2,7 @@
 
 A :class:`Slot` says what one record describes (step, phase, kind, name, dtype, shape) and what it
 depends on. The window itself -- the entries in production order and the device records,
-summarized in batches -- is the C++ :class:`nanscan._C.Window` (``csrc/monitor/recorder.cpp``):
+summarized in batches -- is the C++ :class:`nanscan._C.Window` (``csrc/monitor/window.h``):
 the eager hooks add rows to it without making Python objects, Python code adds :class:`Slot`
 objects (the loss, optimizer state) and :class:`Block` runs (parameters, buffers). A taken window
 is a list in which every entry is a :class:`Slot` or a lazy run (:class:`Block`,
@@ -26,6 +26,8 @@ summarized with the other copies when the window is read, a larger one summarize
 record is never stale and no tensor is kept alive for a batch.
 """
 from __future__ import annotations
+
+from nanscan import _ops
 
 BATCH = 64
 BATCH_BYTES = 64 << 20
@@ -127,8 +129,11 @@ class Call:
         self.info, self.outputs, self.complete = info, outputs, complete
 
 
-# Row kinds of csrc/monitor/recorder.cpp.
-OUTPUT, BODY, BATCH_INPUT, MODEL_LOSS = 0, 1, 2, 3
+# Row kinds, defined once in csrc/monitor/rows.h and exposed by the extension (None without a usable
+# library: no rows exist then).
+_EXTENSION = _ops.monitor_extension()
+_ROW_KINDS = _EXTENSION.ROW_KINDS if _EXTENSION is not None else {}
+OUTPUT, BODY, BATCH_INPUT, MODEL_LOSS = (_ROW_KINDS.get(k) for k in ("OUTPUT", "BODY", "BATCH_INPUT", "MODEL_LOSS"))
 
 
 class EagerRows(Block):
