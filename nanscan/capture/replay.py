@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fnmatch
 import os
 import traceback
 import weakref
@@ -47,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_leaves, tree_map
 
+from nanscan.allow import check_allow, name_allowed
 from nanscan.capture.bundle import Bundle, load_bundle, restore_rng
 from nanscan.record import TensorSummary
 from nanscan.summary import records
@@ -410,7 +410,7 @@ class _StepMode(TorchDispatchMode):
         if module is None or not self.allow:
             return False
         names = (module, f"{module} (output grad)") if self.phase == "backward" else (module,)
-        return any(fnmatch.fnmatchcase(n, p) for n in names for p in self.allow)
+        return any(name_allowed(n, self.allow) for n in names)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -665,21 +665,6 @@ def run_step(model, batch, forward: Optional[Callable], compile_backend: Optiona
     return fn(model, batch)
 
 
-def check_allow(allow, where: str = "nanscan.replay") -> tuple:
-    """``allow`` as a tuple of fnmatch patterns (one pattern or an iterable of them), as
-    :func:`nanscan.watch` takes it; anything else is a ``TypeError`` saying what is accepted."""
-    if isinstance(allow, str):
-        return (allow,)
-    try:
-        patterns = tuple(allow)
-    except TypeError:
-        patterns = None
-    if patterns is None or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"{where}: allow must be an fnmatch pattern (str) or an iterable of them, e.g. "
-                        f"allow=('*.attn',), got {allow!r}"[:300])
-    return patterns
-
-
 @dataclasses.dataclass
 class _Outcome:
     result: Any
@@ -809,7 +794,7 @@ def replay(bundle, model: torch.nn.Module, forward: Optional[Callable[[Any, Any]
     the fnmatch patterns of :func:`nanscan.watch` (module names whose non-finite values are
     intended). ``model``'s parameters are overwritten by the bundle's state and its gradients
     reset. See ``docs/replay.md`` for how to read the answer."""
-    allow = check_allow(allow)
+    allow = check_allow(allow, "nanscan.replay")
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     runner = _Runner(b, model, forward, precision, compile_backend, backward, allow)
     mode = _StepMode(None, allow)

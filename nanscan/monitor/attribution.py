@@ -25,9 +25,9 @@ something else): its outputs get ``produced=None`` too.
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Optional
 
+from nanscan.allow import name_allowed
 from nanscan.monitor.incident import Incident
 from nanscan.monitor.slots import at
 from nanscan.record import Field, TensorSummary
@@ -35,7 +35,7 @@ from nanscan.vocabulary import PHASE_ORDER
 
 
 def allowed(slot, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(slot.name, p) for p in patterns)
+    return name_allowed(slot.name, patterns)
 
 
 def _consumer(slots, slot):

@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 import torch
 
 from nanscan import _ops
+from nanscan.allow import check_allow
 from nanscan.guard import attach_note
 from nanscan.monitor import distributed
 from nanscan.monitor.autocast_probe import AutocastProbe, autocast_enabled
@@ -1164,15 +1165,7 @@ def watch(model, optimizer=None, scaler=None, *, activations: bool = True, activ
                          f"for 'off'), got {compiled_grads!r}")
     if eval_forwards not in EVAL_FORWARDS:
         raise ValueError(f"nanscan.watch: eval_forwards must be one of {EVAL_FORWARDS}, got {eval_forwards!r}")
-    if isinstance(allow, str):
-        allow = (allow,)
-    try:
-        allow = tuple(allow)
-    except TypeError:
-        allow = None
-    if allow is None or not all(isinstance(p, str) for p in allow):
-        raise TypeError("nanscan.watch: allow must be an fnmatch pattern (str) or an iterable of them, e.g. "
-                        f"allow=('*.attn_mask',), got {allow!r}"[:300])
+    allow = check_allow(allow, "nanscan.watch")
     if capture_dir is not None and not isinstance(capture_dir, (str, os.PathLike)):
         raise TypeError(f"nanscan.watch: capture_dir must be a directory path (str or os.PathLike) or None, got "
                         f"{type(capture_dir).__name__}: {capture_dir!r}"[:300])
