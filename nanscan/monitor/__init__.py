@@ -3,6 +3,8 @@ phase and step where values went non-finite, and a :class:`Ledger` of AMP update
 from nanscan.monitor.distributed import all_reduce_records
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
-from nanscan.monitor.monitor import Monitor, watch
+from nanscan.monitor.api import watch
+from nanscan.monitor.config import WatchConfig
+from nanscan.monitor.monitor import Monitor
 
-__all__ = ["all_reduce_records", "Incident", "Ledger", "Monitor", "NonFiniteError", "watch"]
+__all__ = ["all_reduce_records", "Incident", "Ledger", "Monitor", "NonFiniteError", "WatchConfig", "watch"]

@@ -28,7 +28,7 @@ import torch
 
 from nanscan.headroom import dtype_max, headroom_bits, trend
 from nanscan.monitor.slots import Block, EagerRows, GradBlock
-from nanscan.record import Field
+from nanscan.record import RECORD_SIZE, Field
 from nanscan.warn import warn
 
 ZONE = 6  # bits above the threshold at which a tensor's history starts (a trend needs steps before the warning)
@@ -207,6 +207,30 @@ class HeadroomWatch:
     def fp16_autocast(self) -> bool:
         """A recent training forward ran under float16 autocast."""
         return any(d == torch.float16 for d in self.autocast.values())
+
+    def check(self, read, steplog=None) -> list:
+        """Look at a landed :class:`~nanscan.monitor.read.Read`: a vectorized pass over the hooks'
+        host records (one C++ call, :meth:`near_rows`), Python only for the rows near overflow;
+        the events and each step's lowest headroom go to ``steplog`` when given. Returns the new
+        events."""
+        n = read.eager_count
+        near = []
+        if n and read.host is not None:
+            near = self.near_rows(read.host[:n], row_maxima(read.slots, n), self.fp16_autocast)
+        total = len(read.slots)
+        if total > n:  # the compiled path's rows (Slot objects already)
+            values = torch.tensor([read.values(i)[:RECORD_SIZE] for i in range(n, total)], dtype=torch.float64)
+            maxima = row_maxima(read.slots[n:], total - n)
+            near += [n + j for j in self.near_rows(values, maxima, self.fp16_autocast)]
+        bad = read.bad
+        near = [i for i in near if i not in bad]
+        events = self.observe(read.slots, read.slot, read.values, near)
+        if steplog is not None:
+            for step, lowest in self.lowest.items():
+                steplog.headroom(step, lowest)
+            for event in events:
+                steplog.headroom_event(event)
+        return events
 
 
 _MAX_OF: dict = {}  # dtype -> its largest finite value (NaN: not floating)

@@ -39,6 +39,7 @@ class Copy:
         self.grad_start: Optional[int] = None  # where the parameter gradients' block starts, if read
         self.recorded_forward = True  # a training forward was recorded in the window
         self.eval = False  # the read of an eval window (eval forwards), not of a training step
+        self.final = False  # read at close: what is left of a step that may have ended already
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,

@@ -403,10 +403,10 @@ class TracedRows:
             self.set_recording()
 
     def set_recording(self) -> None:
-        """Open or close the traced hooks' fast path for this step (the monitor calls it whenever
-        ``checking`` or ``_closed`` changes)."""
+        """Open or close the traced hooks' fast path for this step (the monitor's StepState calls it
+        whenever ``checking`` or ``closed`` changes)."""
         m = self.monitor
-        self.recording = bool(m.activations and m.checking and not m._closed)
+        self.recording = bool(m.activations and m.state.recording)
         self.stamping = self.recording and self.default_kernels and not m.compiled_grads
 
     def grad_hook(self, info, k: int, label: str = ""):

@@ -1,0 +1,117 @@
+"""One landed read: :class:`Read`, the contract between recording and everything that consumes it.
+
+Recording puts records in three places -- the eager window (hooks, the loss, parameters, buffers,
+optimizer state), the gradient sink (gradients of module outputs) and the parameter gradients taken
+at the read -- and, under ``torch.compile``, in the compiled path's rows (one sub-window per
+training forward). :meth:`Read.land` waits for the one copy of a read (:mod:`readback`) and glues
+the compiled rows after the window's entries, so that every consumer sees one list of rows in
+production order, whatever their source:
+
+* ``slots[i]`` -- what row ``i`` is (a :class:`~nanscan.monitor.slots.Slot`, or a lazy run standing
+  in for each of its rows; :meth:`slot` gives the Slot);
+* :meth:`values` ``(i)`` -- its record as Python floats (decoded only when asked: a consumer asks
+  for the few rows it needs);
+* ``bad`` -- the indices of the rows holding a NaN or an Inf;
+* ``position`` -- None when index order is production order, else the key that orders the rows
+  (eager records, then the compiled rows, then the parameter gradients read after the backward);
+* ``step``, ``training`` (False: an eval forward's window), ``final`` (read at close), ``handled``
+  (GradScaler skipped this step's update), ``extras`` (loss scale, fused-AMP ``found_inf``, clip
+  norm), ``host`` (the hooks' records as one float64 tensor, for vectorized passes).
+
+Attribution, offenders, the step log, headroom, the cross-rank agreement, capture and the raise /
+warn policy each take a ``Read``; none of them reaches back into the monitor.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from nanscan.monitor.readback import Copy
+from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows, at
+
+__all__ = ["Read"]
+
+
+class Read:
+    """A landed read (see the module docstring)."""
+
+    __slots__ = ("step", "training", "final", "handled", "slots", "bad", "values", "position", "eager_count",
+                 "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host")
+
+    def __init__(self, *, step: int, slots: list, values: Callable, bad: set, training: bool = True,
+                 final: bool = False, handled: bool = False, position: Optional[Callable] = None,
+                 eager_count: Optional[int] = None, grad_start: Optional[int] = None, recorded_forward: bool = True,
+                 compiled: bool = False, compiled_ran: bool = False, extras: Optional[dict] = None, host=None):
+        self.step, self.slots, self.values, self.bad = step, slots, values, bad
+        self.training, self.final, self.handled = training, final, handled
+        self.position = position
+        self.eager_count = len(slots) if eager_count is None else eager_count  # rows before the compiled ones
+        self.grad_start = grad_start  # where the parameter gradients' block starts, if they were read
+        self.recorded_forward = recorded_forward  # a training forward was recorded by the eager hooks
+        self.compiled = compiled  # the compiled path's rows were read with it (a compiled model)
+        self.compiled_ran = compiled_ran  # ... and compiled graphs wrote some
+        self.extras = extras if extras is not None else {}
+        self.host = host
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def slot(self, i: int):
+        """Row ``i`` as a :class:`~nanscan.monitor.slots.Slot`."""
+        return at(self.slots, i)
+
+    @classmethod
+    def land(cls, copy: Copy, traced, *, link_compiled_weights: bool) -> "Read":
+        """Wait for ``copy`` and assemble its rows; ``traced`` (the compiled path's
+        :class:`~nanscan.monitor.traced.TracedRows`) turns its written rows into slots.
+        ``link_compiled_weights``: parameter gradients take the compiled modules' forward inputs and
+        output gradients as their inputs (gradients are recorded inside the graphs)."""
+        copy.wait()
+        slots, step = copy.slots, copy.step
+        common = dict(step=step, training=not copy.eval, final=copy.final, handled=copy.handled, bad=copy.bad,
+                      grad_start=copy.grad_start, recorded_forward=copy.recorded_forward, extras=copy.extras,
+                      host=copy.host, compiled=copy.traced is not None,
+                      compiled_ran=bool(copy.traced and any(copy.traced)))
+        if copy.traced is None:
+            return cls(slots=slots, values=copy.row, **common)
+        offset = len(slots)
+        traced_slots, traced_values, weight_inputs = [], [], {}
+        for written in copy.traced:  # (one sub-window per training forward, in order)
+            more, values, inputs = traced.slots(written, step, offset + len(traced_slots))
+            traced_slots += more
+            traced_values += values
+            for name, indices in inputs.items():
+                weight_inputs.setdefault(name, []).extend(indices)
+        if link_compiled_weights:
+            # weights of compiled modules: their forward inputs and output gradients
+            for block in {s for s in slots if type(s) is Block and s.param}:
+                block.extra_inputs = {name: tuple(rows) for name, rows in weight_inputs.items()}
+        all_slots = list(slots) + traced_slots
+        common["bad"] = copy.bad | {offset + i for i, v in enumerate(traced_values) if v[0] + v[1] + v[2] > 0}
+        eager_row = copy.row
+
+        def values(i):
+            return eager_row(i) if i < offset else traced_values[i - offset]
+
+        # Production order: eager records, the compiled rows, then the parameter gradients
+        # (read after the backward; eager ones are last in index order already).
+        grad_start = copy.grad_start if copy.grad_start is not None else offset
+
+        def position(i):
+            return (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i))
+
+        return cls(slots=all_slots, values=values, position=position, eager_count=offset, **common)
+
+    def steps_mixing_eager_and_compiled(self) -> set:
+        """Steps whose training forward recorded, through the eager hooks, rows of modules other than
+        the root while compiled rows are in this read too: how the two sequences interleaved is not
+        recorded (Note [eager frames beside compiled ones])."""
+        if not self.compiled:
+            return set()
+        steps = set()
+        for i, s in enumerate(self.slots[:self.eager_count]):
+            if type(s) is not EagerRows:
+                continue
+            kind, info, _, step, phase = s.rows.row(i)[:5]
+            if kind in (OUTPUT, BODY) and phase == "forward" and not s.infos[info].is_root:
+                steps.add(step)
+        return steps
