@@ -7,6 +7,7 @@ Public API::
     nanscan.record(x) / nanscan.records(xs) -> device float64 records (no host sync)
     nanscan.available_backends() -> e.g. ["cpu", "cuda", "triton", "reference"]
     nanscan.watch(model, optimizer, scaler, ...) -> Monitor     # always-on NaN/Inf localization
+    nanscan.WatchConfig(...)                                    # its options, as one frozen dataclass
     nanscan.capture_bundle / load_bundle / replay / compare / bisect_backends   # after a failure
     nanscan.log.dumps / loads, nanscan.EventLog, nanscan.guard             # NaN-safe logs
     nanscan.telemetry.Publisher / TensorBoard / WandB / MLflow / JSONL      # NaN-safe tracker sinks
@@ -21,7 +22,7 @@ from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, C
 from nanscan import telemetry
 from nanscan.guard import guard
 from nanscan.log import EventLog
-from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, all_reduce_records, watch
+from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, WatchConfig, all_reduce_records, watch
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records, summarize, summarize_many
 
@@ -32,5 +33,5 @@ __all__ = [
     "capture_bundle", "compare", "load_bundle", "replay", "guard", "EventLog",
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
     "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize",
-    "summarize_many", "telemetry", "watch", "__version__",
+    "summarize_many", "telemetry", "watch", "WatchConfig", "__version__",
 ]

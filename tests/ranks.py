@@ -47,7 +47,7 @@ def planted_run(model, faulty, rank: int, fault: str, batch, steps: int = 4, fau
     seen = {}
     try:
         with nanscan.watch(model, opt) as mon:
-            seen["sharded"] = mon._sharded
+            seen["sharded"] = mon.tensors.sharded
             for step in range(steps):
                 x = batch(step)
                 planted = rank == 1 and step == fault_step

@@ -24,7 +24,7 @@ class Incident:
     same sequence, so under torch.distributed the rank whose fault came first in the step is the
     one reported, even where a collective then spread it to the others). ``order_known`` is False
     when the step's forward ran some modules eagerly beside compiled graphs (Note [eager frames
-    beside compiled ones], monitor.py): the order of their values is unknown, so ``name`` is only
+    beside compiled ones], findings.py): the order of their values is unknown, so ``name`` is only
     the first non-finite value nanscan saw, and ``produced`` is None.
     """
 

@@ -1,0 +1,129 @@
+"""Gathering a read: :class:`Reading` holds the read windows and turns everything recorded since the
+last read into one :class:`~nanscan.monitor.readback.Copy`.
+
+A training read takes, in production order: the eager window (hook rows, the loss, parameters and
+buffers after the last update, optimizer state), the gradients of module outputs from the gradient
+sink, the parameter gradients as they are now, then the compiled path's rows, and a few scalars
+(loss scale, a fused-AMP optimizer's ``found_inf``, the total norm ``clip_grad_norm_`` returned).
+An eval forward's read takes the eval window alone. In async mode a copy stays in flight and is
+decoded one read later: :meth:`Reading.swap_in_flight`. Nothing here decodes or judges a read
+(:mod:`nanscan.monitor.read`, :mod:`nanscan.monitor.findings`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nanscan.monitor.readback import Copy
+from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
+
+__all__ = ["Reading"]
+
+
+class Reading:
+    """The read windows of one monitor, and what a read gathers from them."""
+
+    def __init__(self, extension, infos: list, summarize, *, activation_grads: bool):
+        # Per read window: the records (production order); eval forwards have their own.
+        marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
+
+        def window():
+            return extension.Window(marker, lambda rows: EagerRows(rows, infos), summarize, None,
+                                    len(infos), BATCH, BATCH_BYTES)
+
+        self.window, self.eval_window = window(), window()
+        self.generation = 0
+        # The gradients of module outputs: a C++ tap on the autograd node of each recorded output
+        # (no Python in the backward with the default kernels).
+        self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES, summarize) if activation_grads else None
+        self.in_flight: Optional[Copy] = None  # async mode: the read to decode at the next one
+        # total norms clip_grad_norm_ returned since the last read (Note [grad norm before clipping])
+        self.clip_norms: list = []
+        self.clip_unknown = False  # clipped by a norm other than L2 since the last read
+
+    def backward_seen(self) -> bool:
+        """A gradient of a module output was received since the last read."""
+        return self.grad_sink is not None and len(self.grad_sink) > 0
+
+    def pending(self) -> bool:
+        """Records wait in the training window (or a copy in flight)."""
+        return len(self.window) > 0 or self.in_flight is not None
+
+    def clipped(self, total_norm, norm_type) -> None:
+        """``clip_grad_norm_`` of this model's parameters returned ``total_norm``."""
+        if float(norm_type) != 2.0:
+            self.clip_norms = []  # (not the L2 norm the log reports: the step's grad_norm is unknown)
+            self.clip_unknown = True
+            return
+        local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
+        self.clip_norms.append((local() if callable(local) else total_norm).detach())
+
+    def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, scalars: bool, scale,
+               found_inf, handled: bool, final: bool, non_blocking: bool, steplog) -> Copy:
+        """Start the copy of a training read of ``step``: everything recorded since the last read
+        (see the module docstring). ``grads``: the parameter gradients are read too (``explained``:
+        with their inputs, see :meth:`ModelTensors.grad_block`); ``scalars``: the step's loss scale
+        (``scale``: GradScaler's scale tensor, or None) and clip norm ride along (not in what close
+        reads of a step that ended already); so does ``found_inf``; ``handled``: GradScaler skipped
+        the update."""
+        slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
+        if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
+            records, meta = self.grad_sink.take()
+            n = len(meta)
+            if n:
+                block = GradBlock(step, slots, meta)
+                block.start = len(slots)
+                if eager_rows is not None:
+                    eager_rows.rows.set_grads(meta, block.start)
+                slots = slots + [block] * n
+                blocks.extend(records)
+        self.generation += 1
+        if self.grad_sink is not None:
+            self.grad_sink.generation = self.generation
+        recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
+        grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
+        if grads and tensors.named_params:
+            found = tensors.grad_block(step, eager_rows, explained)
+            if found is not None:
+                rows, block = found
+                block.start = grad_start = len(slots)
+                blocks.append(rows)
+                slots = slots + [block] * len(block.names)
+        hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
+        extras = []  # (what, tensor): read with the records, in the same copy
+        if isinstance(scale, torch.Tensor) and not final and scalars:
+            extras.append(("scale", scale))
+        if found_inf is not None:
+            extras.append(("found_inf", found_inf))
+        clip_norms, self.clip_norms = self.clip_norms, []
+        if self.clip_unknown and steplog is not None:
+            steplog.clip_norm(step, None)
+        self.clip_unknown = False
+        if clip_norms and scalars and steplog is not None:
+            total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
+                [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
+            extras.append(("clip_norm", total))
+        copy = Copy.start(blocks, slots, extras, traced.window(), handled=handled, step=step,
+                          non_blocking=non_blocking, window_rows=len(traced.rows))
+        copy.recorded_forward = recorded_forward
+        copy.final = final
+        copy.grad_start = grad_start
+        traced.reset()
+        return copy
+
+    def gather_eval(self, step: int, hooks) -> Optional[Copy]:
+        """The copy of an eval forward's window (read at its end), or None when it recorded nothing."""
+        slots, blocks, _ = self.eval_window.take()
+        hooks.reset("eval")
+        if not blocks:
+            return None
+        copy = Copy.start(blocks, slots, [], None, handled=False, step=step, non_blocking=False)
+        copy.eval = True
+        return copy
+
+    def swap_in_flight(self, copy: Copy, keep: bool) -> tuple:
+        """``(previous, now)``: the read left in flight by the last call, to decode first (its records
+        were made first), and ``copy`` unless ``keep`` leaves it in flight for the next read."""
+        previous, self.in_flight = self.in_flight, (copy if keep else None)
+        return previous, (None if keep else copy)
