@@ -54,7 +54,8 @@ from nanscan.monitor.headroom import HeadroomWatch
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
-from nanscan.monitor.slots import BATCH, BATCH_BYTES, Block, EagerRows, GradBlock, Slot
+from nanscan.monitor.reading import Reading
+from nanscan.monitor.slots import Block, Slot
 from nanscan.monitor.state import StepState
 from nanscan.monitor.read import Read
 from nanscan.monitor.findings import Findings
@@ -110,30 +111,17 @@ class Monitor:
                                     buffers=config.buffers)
         # (The hooks' records are summarized by C++: in batches on a device, on arrival on the CPU.)
         summarize = self.tensors.summarize_in_cpp()
-        # Per read window: the records (production order); eval forwards have their own.
-        marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
-
-        def window():
-            return extension.Window(marker, lambda rows: EagerRows(rows, infos), summarize, None,
-                                    len(infos), BATCH, BATCH_BYTES)
-
-        self.slots, self.eval_slots = window(), window()
-        self.slots_generation = 0
-        # The gradients of module outputs: a C++ tap on the autograd node of each recorded output
-        # (no Python in the backward with the default kernels).
-        self.grad_sink = extension.GradSink(BATCH, BATCH_BYTES, summarize) if self.activation_grads else None
+        # The read windows (eager hooks, eval forwards), the gradient sink, async mode's copy in flight.
+        reading = self.reading = Reading(extension, infos, summarize, activation_grads=self.activation_grads)
+        self.slots, self.eval_slots, self.grad_sink = reading.window, reading.eval_window, reading.grad_sink
         self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
         self.traced = TracedRows(self, infos, self.tensors.kernels_for)
         # Where the step is: its only writer (the triggers below tell it what happened).
         self.state = StepState(config.every, on_recording=self.traced.set_recording)
-        self._in_flight: Optional[Copy] = None
         self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale / backward record it once)
         self._scaled_ref = None  # the last scaler.scale(loss) result
-        self._clip_unknown = False  # clipped by a norm other than L2 in this step
         self._higher_order_step = None  # the step a gradient was taken with create_graph=True in
-        # total norms clip_grad_norm_ returned in this step (Note [grad norm before clipping])
-        self._clip_norms: list = []
         self._raised = False  # a NonFiniteError was raised (close() then records, never raises)
         self.opened_by_callback = False  # (an integration's callback opened it: see integrations.transformers)
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
@@ -223,7 +211,7 @@ class Monitor:
             return None
         if not (torch.is_grad_enabled() and not torch.is_inference_mode_enabled()):  # Note [training forwards]
             return "eval" if (self.config.eval_forwards != "skip" and self.activations) else None
-        if not state.in_block and self.optimizer is None and self._backward_seen():
+        if not state.in_block and self.optimizer is None and self.reading.backward_seen():
             self._end_step()  # no optimizer: a training forward after a backward starts the next step
         elif state.awaiting_update:
             self._end_step()  # an explicit step whose optimizer step never came: the next step begins
@@ -257,10 +245,6 @@ class Monitor:
         """The model's last forward raised and the loop went on (it skipped the batch): that batch is
         not the step's, the next forward's is."""
         self.state.forward_aborted()
-
-    def _backward_seen(self) -> bool:
-        """A gradient of a module output was received since the last read."""
-        return self.grad_sink is not None and len(self.grad_sink) > 0
 
     def _forward_ends(self, info: ModuleInfo) -> None:
         if self.hooks.phase == "eval":
@@ -327,7 +311,7 @@ class Monitor:
         try:
             if state.attempted:  # (applied None: a fused-AMP flag decides when read, if ever)
                 self.ledger.attempt(step, state.applied)
-            recorded = state.forward_seen or self._backward_seen() or len(self.slots) > 0 or self.traced.used
+            recorded = state.forward_seen or self.reading.backward_seen() or len(self.slots) > 0 or self.traced.used
             if state.checking and recorded and not state.read:
                 if self.optimizer is None:
                     self.tensors.record_buffers(self.slots, step)
@@ -418,12 +402,7 @@ class Monitor:
             tensors.param_ids = frozenset(id(p) for p in tensors.param_tensors)
         if not any(id(p) in tensors.param_ids for p in parameters):
             return  # another model's
-        if float(norm_type) != 2.0:
-            self._clip_norms = []  # (not the L2 norm the log reports: the step's grad_norm is unknown)
-            self._clip_unknown = True
-            return
-        local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
-        self._clip_norms.append((local() if callable(local) else total_norm).detach())
+        self.reading.clipped(total_norm, norm_type)
 
     def _higher_order(self) -> None:
         """A gradient was taken with ``create_graph=True`` in this step (a gradient penalty, MAML):
@@ -511,9 +490,9 @@ class Monitor:
         try:
             if state.awaiting_update:  # an explicit step whose optimizer step never came
                 self._end_step(raise_incident=raise_incident)
-            if state.checking and (state.forward_seen or self._backward_seen()) and not state.read:
+            if state.checking and (state.forward_seen or self.reading.backward_seen()) and not state.read:
                 self._read(before_update=False, final=True, raise_incident=raise_incident)
-            elif len(self.slots) or self._in_flight is not None or self.traced.used:
+            elif self.reading.pending() or self.traced.used:
                 self._read(before_update=False, final=True, include_grads=False, raise_incident=raise_incident)
         finally:
             state.close()  # (the compiled rows follow its recording switch)
@@ -544,60 +523,18 @@ class Monitor:
     # ------------------------------------------------------------------ reading
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
-        self.state.was_read()
-        slots, blocks, eager_rows = self.slots.take()  # (blocks: a list of [k, RECORD_SIZE] records)
-        if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
-            records, meta = self.grad_sink.take()
-            n = len(meta)
-            if n:
-                block = GradBlock(self.state.index, slots, meta)
-                block.start = len(slots)
-                if eager_rows is not None:
-                    eager_rows.rows.set_grads(meta, block.start)
-                slots = slots + [block] * n
-                blocks.extend(records)
-        self.slots_generation += 1
-        if self.grad_sink is not None:
-            self.grad_sink.generation = self.slots_generation
-        recorded_forward, self.hooks.recorded_forward = self.hooks.recorded_forward, False
-        grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
-        if include_grads and self.grads and self.tensors.named_params:
-            step = self.state.index
-            explained = self.activation_grads and self._higher_order_step != step
-            found = self.tensors.grad_block(step, eager_rows, explained)
-            if found is not None:
-                rows, block = found
-                block.start = grad_start = len(slots)
-                blocks.append(rows)
-                slots = slots + [block] * len(block.names)
-        self.hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
-        handled = (not before_update and self.scaler is not None and self.state.attempted
-                   and self.state.applied is False and not final)
-        extras = []  # (what, tensor): read with the records, in the same copy
-        scale = getattr(self.scaler, "_scale", None) if self.scaler is not None else None
-        if isinstance(scale, torch.Tensor) and not final and include_grads:
-            extras.append(("scale", scale))
-        if found_inf is not None:
-            extras.append(("found_inf", found_inf))
-        clip_norms, self._clip_norms = self._clip_norms, []
-        if self._clip_unknown and self.steplog is not None:
-            self.steplog.clip_norm(self.state.index, None)
-        self._clip_unknown = False
-        if clip_norms and include_grads and self.steplog is not None:
-            total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
-                [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
-            extras.append(("clip_norm", total))
-        copy = Copy.start(blocks, slots, extras, self.traced.window(), handled=handled, step=self.state.index,
-                          non_blocking=self.config.mode == "async" and not final, window_rows=len(self.traced.rows))
-        copy.recorded_forward = recorded_forward
-        copy.final = final
-        copy.grad_start = grad_start
-        self.traced.reset()
+        state = self.state
+        state.was_read()
+        step = state.index
+        scaler = self.scaler
+        copy = self.reading.gather(
+            step, hooks=self.hooks, tensors=self.tensors, traced=self.traced, grads=include_grads and self.grads,
+            explained=self.activation_grads and self._higher_order_step != step, scalars=include_grads,
+            scale=getattr(scaler, "_scale", None) if scaler is not None else None, found_inf=found_inf,
+            handled=not before_update and scaler is not None and state.attempted and state.applied is False
+            and not final, final=final, non_blocking=self.config.mode == "async" and not final, steplog=self.steplog)
         # The earlier read first: its records were made first (async mode decodes a read late).
-        previous, self._in_flight = self._in_flight, None
-        if self.config.mode == "async" and not final:
-            self._in_flight = copy
-            copy = None
+        previous, copy = self.reading.swap_in_flight(copy, keep=self.config.mode == "async" and not final)
         error = None
         if previous is not None:
             try:
@@ -610,12 +547,9 @@ class Monitor:
             raise error
 
     def _read_eval(self) -> None:
-        slots, blocks, _ = self.eval_slots.take()
-        self.hooks.reset("eval")
-        if not blocks:
+        copy = self.reading.gather_eval(self.state.index, self.hooks)
+        if copy is None:
             return
-        copy = Copy.start(blocks, slots, [], None, handled=False, step=self.state.index, non_blocking=False)
-        copy.eval = True
         self._decode(copy, raise_incident=self.config.eval_forwards == "raise")
 
     def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:

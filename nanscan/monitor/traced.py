@@ -34,7 +34,7 @@ with its outputs, after its forward -- no other hook runs in between, so product
 kept. What the leaf received is its input's value then only if its forward did not change it in
 place: dynamo's fake tensors carry version counters, and an input row whose tensor changed since
 an earlier stamp saw it (or that no stamp saw, with a version above 0) is kept ``stale`` --
-"cannot tell", never a guess (``_noted_at_trace``). Watched / unwatched compile time: README.
+"cannot tell", never a guess (``trace_notes.noted_at_trace``). Watched / unwatched compile time: README.
 
 Gradients (the default, where this torch traces tensor hooks into graphs: ``GRAD_HOOKS``): the
 traced hook registers a tensor hook on each recorded module output that requires grad; dynamo
@@ -62,7 +62,6 @@ the step sampled: dynamo guards on both, so an eval forward runs a graph of its 
 from __future__ import annotations
 
 import itertools
-import sys
 from typing import Optional
 
 import torch
@@ -70,6 +69,7 @@ import torch
 from nanscan import _ops
 from nanscan.monitor.eager import ROOT as ROOT_NAME, float_tensors, hooked
 from nanscan.monitor.slots import Call, Slot
+from nanscan.monitor.trace_notes import LABEL_SEP, LEAF_STAMPS, LIVE, MORE_INPUTS, TraceNotes, note, noted_at_trace
 from nanscan.record import RECORD_SIZE
 
 INPUTS, OUTPUTS = 2, 8
@@ -79,9 +79,6 @@ MAX_DIMS = 6
 # ndim and the sizes.
 SEQ, WRITES, NUMEL, NDIM, DIMS = RECORD_SIZE, RECORD_SIZE + 1, RECORD_SIZE + 2, RECORD_SIZE + 3, RECORD_SIZE + 4
 COLUMNS = DIMS + MAX_DIMS
-
-_NOTES: dict = {}  # (owner, row) -> (label or None, dtype), noted at trace time
-
 
 def _hooks_trace_into_graphs() -> bool:
     """Whether dynamo traces ``tensor.register_hook`` on a value made inside the graph into the graph
@@ -100,132 +97,8 @@ def _hooks_trace_into_graphs() -> bool:
 GRAD_HOOKS = _hooks_trace_into_graphs()
 
 
-@torch._dynamo.assume_constant_result
-def _note(owner: int, row: int, label, dtype) -> int:
-    """Runs once, while dynamo traces the hook (its result is a constant of the graph): no Python
-    work is left in the compiled hook."""
-    _NOTES[(owner, row)] = (label, dtype)
-    _TRACED.add(owner)
-    return 0
-
-
 _OWNERS = itertools.count(1)  # TracedRows.owner
-_TRACED: set = set()  # owner of the TracedRows whose hooks were traced into some graph
-
-
-_SHAPES: dict = {}  # (owner, row) -> static shape, noted at trace time
-
-
-_LABEL_SEP = "\x1f"
-# Ends a stamp's labels when the module had more floating inputs than its INPUTS rows: the modules
-# that took a value as such an input are not known, so neither is a value's set of consumers.
-_MORE_INPUTS = "\x1e"
-_PARTIAL_TRACES: set = set()  # (owner, trace) that stamped a module with inputs left out
-
-
-# Version counters of the (fake) tensors the traced stamps have seen, and the post-time input rows
-# that cannot be trusted (see _noted_at_trace).
-_VERSIONS = torch.utils.weak.WeakIdKeyDictionary()
-_UNTRUSTED: set = set()  # (owner, row)
-
-# Which module took which recorded output as an input (dynamo's fake tensors have identity while a
-# graph is traced; the compiled graph has none): the gradient flowing into an output was made by
-# the backward of the module(s) that consumed it -- as eager decides from the real tensors.
-# Notes are kept per trace (one dynamo trace of one frame: one graph): the same rows can be written by
-# graphs of different structure (a recompile), and only the notes of the graph that ran apply. Which
-# one ran is read from the rows themselves: a trace's forward rows, in the order it stamped them,
-# are a contiguous run of the rows written in the window (see TracedRows._traces_that_ran).
-_MADE_AT = torch.utils.weak.WeakIdKeyDictionary()  # fake tensor -> {(owner, output row)}: a
-# child's output that its parent returns unchanged is in two output rows
-_CONSUMERS: dict = {}  # (owner, output row) -> {trace: names of the modules that took it as an input}
-_EXPLAINED: dict = {}  # (owner, input row) -> {trace: the output rows whose value it took}
-_TRACE_ROWS: dict = {}  # (owner, trace) -> the forward rows the trace stamped, in order
-_NEEDS_GRAD: set = set()  # (owner, output row) of outputs that required grad when traced
-
-
-def _trace_id():
-    """The dynamo trace being made (its compile id and attempt: a restarted analysis is a trace of
-    its own), or None."""
-    try:
-        return torch._guards.CompileContext.current_trace_id()
-    except AttributeError:  # pragma: no cover - a torch without it: no trace is known to have run
-        return None
-
-
-def _dynamo_fake_code():
-    try:
-        from torch._dynamo.utils import get_fake_value
-        return get_fake_value.__code__
-    except (ImportError, AttributeError):  # pragma: no cover - a torch without it
-        return None
-
-
-# The fake kernel runs in several passes over a graph: dynamo's trace (its fake values are the
-# user's tensors, with their in-place history), then AOT autograd's and inductor's, whose
-# functionalized fakes have version counters of their own. Only dynamo's pass says whether an input
-# was changed in place, and it is the one that runs under dynamo's get_fake_value.
-_DYNAMO_FAKE_CODE = _dynamo_fake_code()
-LEAF_STAMPS = _DYNAMO_FAKE_CODE is not None  # (without it: every module stamps its inputs before its forward)
-
-
-def _in_dynamo_trace() -> bool:
-    frame, depth = sys._getframe(2), 0
-    while frame is not None and depth < 64:
-        if frame.f_code is _DYNAMO_FAKE_CODE:
-            return True
-        frame, depth = frame.f_back, depth + 1
-    return False
-
-
-def _noted_at_trace(owner: int, first_row: int, values: list, labels: str) -> None:
-    """What one traced ``nanscan::stamp`` writes -- its rows' labels, dtypes and static shapes --
-    noted while the graph is traced (called by the op's fake kernel, nanscan/_ops.py: the traced
-    hook itself makes no Python call for it, because every call dynamo traces costs compile time).
-    A symbolic (dynamic) shape is not noted: the hook writes it into the row at run time.
-
-    A leaf module's inputs are stamped after its forward, with its outputs (one graph op per module
-    instead of two). Their record is the value the module received only if nothing changed them in
-    place during its forward; fake tensors carry version counters, so that is decided here: an
-    input row is trusted when its tensor's version is the one an earlier stamp saw, or 0 if none
-    saw it. Otherwise the row is kept ``stale`` (never an incident; a value computed from it gets
-    ``produced=None``): nanscan cannot tell what the module received."""
-    partial = labels.endswith(_MORE_INPUTS)
-    labels = labels[:-1] if partial else labels
-    names = labels.split(_LABEL_SEP) if labels else []
-    rows = _ROWS.get(owner) if LEAF_STAMPS and _in_dynamo_trace() else None
-    trace = _trace_id() if rows is not None else None
-    if partial and trace is not None:
-        _PARTIAL_TRACES.add((owner, trace))
-    for k, t in enumerate(values):
-        row = first_row + k
-        key = (owner, row)
-        label = names[k] if k < len(names) and names[k] else None
-        if label is None:  # the row's own name (or, for a tap's gradient row, the label noted at the tap)
-            label = _NOTES.get(key, (None, None))[0]
-        _NOTES[key] = (label, t.dtype)
-        shape = tuple(t.shape)
-        if all(type(s) is int for s in shape):
-            _SHAPES[key] = shape
-        if rows is not None and row < len(rows.rows):  # (dynamo's pass)
-            info = rows.rows[row]
-            version = t._version
-            if info.post_time and _VERSIONS.get(t, 0) != version:
-                _UNTRUSTED.add(key)
-            _VERSIONS[t] = version
-            if info.phase == "forward" and trace is not None:
-                _TRACE_ROWS.setdefault((owner, trace), []).append(row)
-                if info.is_output:
-                    _MADE_AT.setdefault(t, set()).add(key)
-                    if t.requires_grad:
-                        _NEEDS_GRAD.add(key)
-                else:
-                    for made_at in _MADE_AT.get(t, ()):
-                        _CONSUMERS.setdefault(made_at, {}).setdefault(trace, set()).add(info.module.name)
-                        _EXPLAINED.setdefault(key, {}).setdefault(trace, set()).add(made_at[1])
-    _TRACED.add(owner)
-
-
-_ops.STAMP_TRACED = _noted_at_trace
+_ops.STAMP_TRACED = noted_at_trace  # (the stamp op's fake kernel tells the monitor's TraceNotes)
 
 
 def drop_graphs_compiled_without_hooks(model: torch.nn.Module) -> int:
@@ -269,10 +142,7 @@ class _RowInfo:
         # forward inputs and the gradients of its outputs).
         self.module = module
         self.weight_input = (phase == "forward" and not is_output) or (phase == "backward" and is_output)
-        self.post_time = False  # an input row of a leaf, stamped after its forward (see _noted_at_trace)
-
-
-_ROWS: dict = {}  # TracedRows.owner -> TracedRows, for the taps' backward and the trace-time notes
+        self.post_time = False  # an input row of a leaf, stamped after its forward (see trace_notes.noted_at_trace)
 
 
 def _mark_leaves(infos: list, compiled_grads: bool) -> None:
@@ -308,7 +178,7 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _ROWS[ctx.owner]._write_rows(ctx.row, [grad])
+        LIVE[ctx.owner]._write_rows(ctx.row, [grad])
         return grad, None, None
 
 
@@ -342,6 +212,7 @@ class TracedRows:
         # A count, not id(): the same in every run of the same script, so a compiled graph is the same
         # graph in a fresh process and inductor's caches serve it (Note [compiled graphs cached]).
         self.owner = next(_OWNERS)
+        self.notes = TraceNotes()  # what dynamo's traces of this monitor's hooks noted
         mark_effects_cacheable()
         self.kernels_for = kernels_for  # device -> (summarize one, summarize many)
         # The ops for the buffer's device, fixed at allocate: no lookup to guard on.
@@ -389,7 +260,7 @@ class TracedRows:
             for k in range(OUTPUTS):  # (with hooks, candidates: named after the output's consumer, see slots)
                 self.rows.append(_RowInfo(f"{info.name} (output grad)", info, (), self.grad_hooks, False, True, k,
                                           "backward", "grad", module=info))
-        _ROWS[self.owner] = self
+        LIVE[self.owner] = self
 
     def allocate(self, device) -> None:
         if self.buffer is None or self.buffer.device != device:
@@ -429,19 +300,14 @@ class TracedRows:
     @property
     def used(self) -> bool:
         """A traced hook was compiled (the buffer is worth reading)."""
-        return self.owner in _TRACED
+        return self.notes.traced
 
     def forget(self) -> None:
         self.recording = self.stamping = False
         if self.buffer is not None:
             self.monitor._extension.set_stamp_target(self.owner, None, None)
-        for keys in (_UNTRUSTED, _NEEDS_GRAD, _PARTIAL_TRACES):
-            keys.difference_update([k for k in keys if k[0] == self.owner])
-        for notes in (_NOTES, _SHAPES, _CONSUMERS, _EXPLAINED, _TRACE_ROWS):
-            for key in [k for k in notes if k[0] == self.owner]:
-                del notes[key]
-        _ROWS.pop(self.owner, None)
-        _TRACED.discard(self.owner)
+        LIVE.pop(self.owner, None)  # (its graphs, if they run again, note nothing)
+        self.notes = TraceNotes()
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
     def _recording(self) -> bool:
@@ -451,8 +317,8 @@ class TracedRows:
         """One hook's values into consecutive rows from ``first_row``: their records and sequence
         numbers into the buffer in one ``nanscan::stamp`` (csrc/monitor/stamp_rows.cpp; another
         backend's records come from one more op).
-        ``labels``: the rows' labels joined by ``_LABEL_SEP`` ("" for a row's own name). Labels,
-        dtypes and static shapes are noted at trace time (``_noted_at_trace``); only symbolic
+        ``labels``: the rows' labels joined by ``LABEL_SEP`` ("" for a row's own name). Labels,
+        dtypes and static shapes are noted at trace time (``trace_notes.noted_at_trace``); only symbolic
         (dynamic) shapes are written at run time."""
         if not values:
             return
@@ -488,7 +354,7 @@ class TracedRows:
 
     def write_leaf(self, info, args, kwargs, output):
         """A leaf's inputs and outputs after its forward, in one stamp: the inputs into the last of
-        its input rows, the outputs right after (see _noted_at_trace for when an input row is
+        its input rows, the outputs right after (see trace_notes.noted_at_trace for when an input row is
         trusted). Only without gradient taps (which must wrap the inputs before the forward)."""
         if not self._recording():
             return None
@@ -501,12 +367,12 @@ class TracedRows:
                         values.append(t)
                         labels.append("")
                     else:
-                        more = _MORE_INPUTS
+                        more = MORE_INPUTS
         n_in = len(values)
         found = float_tensors(output, "", [])[:OUTPUTS]
         values += [t for _, t in found]
         labels += [info.name + label for label, _ in found]
-        self._write_rows(info.row_base + INPUTS - n_in, values, _LABEL_SEP.join(labels) + more)
+        self._write_rows(info.row_base + INPUTS - n_in, values, LABEL_SEP.join(labels) + more)
         self._hook_grads(info, found)
         return None
 
@@ -543,11 +409,11 @@ class TracedRows:
                         labels.append(f"{info.name}.{lab}" if info.is_root else "")
                         values.append(t)
                         if t is value and t.requires_grad and compiled_grads:
-                            _note(self.owner, grad_base + k, None, t.dtype)
+                            note(self.owner, grad_base + k, None, t.dtype)
                             container[i] = _Tap.apply(t, self.owner, grad_base + k)
                     k += 1
-        more = _MORE_INPUTS if k > INPUTS and not info.is_root else ""  # (the root's inputs are the batch)
-        self._write_rows(base, values, _LABEL_SEP.join(labels) + more)  # (the inputs as they came in, before any tap)
+        more = MORE_INPUTS if k > INPUTS and not info.is_root else ""  # (the root's inputs are the batch)
+        self._write_rows(base, values, LABEL_SEP.join(labels) + more)  # (the inputs as they came in, before any tap)
         return tuple(new_args), new_kwargs
 
     def write_outputs(self, info, output):
@@ -564,13 +430,13 @@ class TracedRows:
             return None
         grad_base = base + OUTPUTS + INPUTS
         found = float_tensors(output, "", [])[:OUTPUTS]
-        self._write_rows(base, [t for _, t in found], _LABEL_SEP.join(info.name + label for label, _ in found))
+        self._write_rows(base, [t for _, t in found], LABEL_SEP.join(info.name + label for label, _ in found))
         if not self.monitor.compiled_grads:
             self._hook_grads(info, found)
             return None
         if isinstance(output, torch.Tensor):
             if output.requires_grad and (output.is_floating_point() or output.is_complex()):
-                _note(self.owner, grad_base, f"{info.name} (output grad)", output.dtype)
+                note(self.owner, grad_base, f"{info.name} (output grad)", output.dtype)
                 return _Tap.apply(output, self.owner, grad_base)
             return None
         if type(output) in (tuple, list):
@@ -578,7 +444,7 @@ class TracedRows:
             for i, value in enumerate(output):
                 if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
                     if k < OUTPUTS and value.requires_grad:
-                        _note(self.owner, grad_base + k, f"{info.name}[{i}] (output grad)", value.dtype)
+                        note(self.owner, grad_base + k, f"{info.name}[{i}] (output grad)", value.dtype)
                         tapped[i] = _Tap.apply(value, self.owner, grad_base + k)
                     k += 1
                 else:
@@ -624,14 +490,14 @@ class TracedRows:
         (``consumers``, noted while the graph was traced): attribution then names the gradient
         after its consumer, as in eager."""
         slots, records, index_of_row, weight_inputs = [], [], {}, {}
-        owner = self.owner
+        notes = self.notes
         for row, v in sorted(written, key=lambda rv: rv[1][SEQ]):
             if row >= len(self.rows):
                 continue
             r = self.rows[row]
-            label, dtype = _NOTES.get((owner, row), (None, torch.float32))
+            label, dtype = notes.labels.get(row, (None, torch.float32))
             name = label or r.name
-            shape = _SHAPES.get((owner, row))
+            shape = notes.shapes.get(row)
             if shape is None:  # written at run time (dynamic shapes)
                 ndim = int(v[NDIM])
                 shape = tuple(int(s) for s in v[DIMS:DIMS + ndim]) if ndim <= MAX_DIMS else (int(v[NUMEL]),)
@@ -639,7 +505,7 @@ class TracedRows:
                         tuple(index_of_row[i] for i in r.inputs if i in index_of_row), r.candidate, r.info)
             slot.derived = r.derived
             # (written twice: a module called twice in one forward; only its last value is here)
-            slot.stale = (owner, row) in _UNTRUSTED or v[WRITES] > 1
+            slot.stale = row in notes.untrusted or v[WRITES] > 1
             index_of_row[row] = offset + len(slots)
             if r.weight_input and r.module is not None:
                 weight_inputs.setdefault(r.module.name, []).append(offset + len(slots))
@@ -670,7 +536,7 @@ class TracedRows:
             v = records[index - offset]
             if not v[0] + v[1] + v[2] > 0:
                 continue
-            notes = _EXPLAINED.get((self.owner, row))
+            notes = self.notes.explained.get(row)
             made = set().union(*(rows for trace, rows in notes.items() if trace in ran)) if notes else set()
             if not made:
                 if slots[index - offset].derived:
@@ -696,10 +562,10 @@ class TracedRows:
                 slots[index - offset].grad_of = forward
                 slots[forward - offset].grad = index
         calls = {}  # consumer module name -> Call
-        if any((self.owner, trace) in _PARTIAL_TRACES for trace in ran):
+        if any(trace in self.notes.partial_traces for trace in ran):
             return  # (a module took inputs that were not stamped: no value's consumers are known)
         for row, index in index_of_row.items():
-            notes = _CONSUMERS.get((self.owner, row))
+            notes = self.notes.consumers.get(row)
             if not notes:
                 continue
             names = set().union(*(names for trace, names in notes.items() if trace in ran))
@@ -716,13 +582,13 @@ class TracedRows:
         keeps), are a contiguous run of the forward rows written, in execution order. A graph that
         ran and was partly overwritten by another does not count: its notes are then unknown,
         never guessed."""
-        if not _TRACE_ROWS:
+        if not self.notes.trace_rows:
             return set()
         written = [row for row in index_of_row if self.rows[row].phase == "forward"]
         position = {row: i for i, row in enumerate(written)}
         ran = set()
-        for (owner, trace), stamped in _TRACE_ROWS.items():
-            if owner != self.owner or not stamped:
+        for trace, stamped in self.notes.trace_rows.items():
+            if not stamped:
                 continue
             rows = list(dict.fromkeys(reversed(stamped)))[::-1]  # (each row at its last stamp)
             start = position.get(rows[0])
@@ -734,5 +600,5 @@ class TracedRows:
         first = info.row_base + INPUTS
         rows = [r for r in range(first, first + OUTPUTS) if r in index_of_row]
         outputs = [index_of_row[r] for r in rows]
-        complete = all(slots[index_of_row[r] - offset].grad is not None for r in rows if (self.owner, r) in _NEEDS_GRAD)
+        complete = all(slots[index_of_row[r] - offset].grad is not None for r in rows if r in self.notes.needs_grad)
         return Call(info, outputs, complete)
