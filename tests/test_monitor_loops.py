@@ -558,10 +558,10 @@ def test_bad_optimizer_or_a_failed_install_leaves_no_hook_on_the_model(monkeypat
         nanscan.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), scaler=1.0)
     assert hooks() == 0
 
-    def broken(self):
+    def broken(*args):
         raise RuntimeError("planted failure while wrapping the scaler")
 
-    monkeypatch.setattr(nanscan.monitor.monitor.Monitor, "_wrap_scaler_step", broken)
+    monkeypatch.setattr(nanscan.monitor.monitor, "wrap_scaler", broken)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(RuntimeError, match="planted failure"):
         nanscan.watch(model, opt, torch.amp.GradScaler("cpu"))

@@ -65,6 +65,7 @@ from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function
 from nanscan.monitor.traced import TracedRows
+from nanscan.monitor.triggers import wrap_closure, wrap_scaler
 from nanscan.warn import warn
 
 
@@ -147,7 +148,7 @@ class Monitor:
             self._handles.append(self.optimizer.register_step_pre_hook(eager(self._optimizer_pre_hook)))
             self._handles.append(self.optimizer.register_step_post_hook(eager(self._optimizer_post_hook)))
         if self.scaler is not None:
-            self._wrap_scaler_step()
+            self._handles.append(wrap_scaler(self.scaler, self._scaler_scale, self._scaler_step))
 
     def _module_registered(self, parent, name: str, child) -> None:
         """A module of the model is given a child (Note [modules changed after watch])."""
@@ -161,47 +162,30 @@ class Monitor:
              f"'cannot tell' at its parent; its parameters are checked from the next step. Watch the model "
              f"again (mon.close(); nanscan.watch(...)) to watch it.", RuntimeWarning, stacklevel=4)
 
-    def _wrap_scaler_step(self) -> None:
-        """GradScaler has no hooks; two methods of this scaler instance are wrapped.
+    def _scaler_scale(self, loss, original_scale):
+        """``scaler.scale(loss)``: the loss is recorded (phase ``"loss"``) -- in an AMP loop the step
+        log and the loss incident need no ``mon.check_loss``."""
+        if self.state.closed:
+            return original_scale(loss)
+        self.check_loss(loss)
+        scaled = original_scale(loss)
+        self._scaled_ref = weakref.ref(scaled)  # (its backward is the loss's, recorded unscaled)
+        return scaled
 
-        ``scale(loss)``: the loss is recorded (phase ``"loss"``) -- in an AMP loop the step log and
-        the loss incident need no ``mon.check_loss``. ``step(optimizer)``: when GradScaler skips
-        the update, optimizer.step never runs, so the step would end unseen -- after the loop's
-        ``zero_grad`` dropped the gradients and ``scaler.update()`` changed the scale. The wrapper
-        ends the step right there, with the unscaled gradients still in place."""
-        scaler, original_step, original_scale = self.scaler, self.scaler.step, self.scaler.scale
-
-        def scale(outputs):
-            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1 and not self.state.closed:
-                self.check_loss(outputs)
-                scaled = original_scale(outputs)
-                self._scaled_ref = weakref.ref(scaled)  # (its backward is the loss's, recorded unscaled)
-                return scaled
-            return original_scale(outputs)
-
-        def step(optimizer, *args, **kwargs):
-            state = self.state
-            state.update_attempted()
-            step_before = state.index
-            result = original_step(optimizer, *args, **kwargs)
-            if not state.closed and state.index == step_before and not state.applied:  # skipped
-                try:
-                    if state.checking and not state.read:
-                        self._read(before_update=False)
-                finally:
-                    if not state.in_block:
-                        self._end_step(raise_incident=False)
-            return result
-
-        scaler.step, scaler.scale = step, scale
-
-        class _Restore:
-            def remove(self_inner):
-                for name, wrapper in (("step", step), ("scale", scale)):
-                    if scaler.__dict__.get(name) is wrapper:
-                        delattr(scaler, name)
-
-        self._handles.append(_Restore())
+    def _scaler_step(self, original_step, optimizer, args, kwargs):
+        """``scaler.step(optimizer)``: a skipped update ends the step here (see triggers.wrap_scaler)."""
+        state = self.state
+        state.update_attempted()
+        step_before = state.index
+        result = original_step(optimizer, *args, **kwargs)
+        if not state.closed and state.index == step_before and not state.applied:  # skipped
+            try:
+                if state.checking and not state.read:
+                    self._read(before_update=False)
+            finally:
+                if not state.in_block:
+                    self._end_step(raise_incident=False)
+        return result
 
     # ------------------------------------------------------------------ step lifecycle
     def _forward_begins(self, info: ModuleInfo, args, kwargs) -> Optional[str]:
@@ -266,23 +250,14 @@ class Monitor:
         state.update_attempted()
         if not state.checking:
             return None
-        at = 1 if args and args[0] is optimizer else 0  # (torch passes the optimizer itself as args[0])
-        closure = kwargs.get("closure") if "closure" in kwargs else (args[at] if len(args) > at else None)
-        if callable(closure):
-            # optimizer.step(closure): the step's forward and backward run inside the step, in the
-            # closure (Lightning's automatic optimization, LBFGS). Read when the closure returns --
-            # after the backward, before the update -- not here, before the forward.
-            def closure_then_read(*c_args, **c_kwargs):
-                result = closure(*c_args, **c_kwargs)
-                if not self.state.closed:
-                    self._read_before_update(optimizer)
-                return result
-
-            if "closure" in kwargs:
-                return args, dict(kwargs, closure=closure_then_read)
-            return tuple(args[:at]) + (closure_then_read,) + tuple(args[at + 1:]), kwargs
-        self._read_before_update(optimizer)
-        return None
+        # optimizer.step(closure): the step's forward and backward run inside the step, in the closure
+        # (Lightning's automatic optimization, LBFGS). Read when the closure returns -- after the
+        # backward, before the update -- not here, before the forward.
+        wrapped = wrap_closure(optimizer, args, kwargs,
+                               lambda: None if state.closed else self._read_before_update(optimizer))
+        if wrapped is None:
+            self._read_before_update(optimizer)
+        return wrapped
 
     def _read_before_update(self, optimizer) -> None:
         try:
