@@ -5,7 +5,9 @@ H200) with the launch configuration the launcher uses for each input dtype (sing
 aligned data pointer), then reads the cubin with the ``cuobjdump`` that ships with Triton and
 prints, per dtype: registers per thread, the SASS instructions of the fast full-tile loop (the
 kernel's first loop), the elements and bytes each thread loads per iteration and with which load
-instructions, and instructions per element; ``-v`` adds every loop of the kernel and an opcode
+instructions, instructions per element, resident programs per SM on sm_90 (from the registers and
+shared memory), and for a 16M-element tensor its chunk count, waves on a 132-SM H200 and how full
+the last wave is (programs per SM); ``-v`` adds every loop of the kernel and an opcode
 histogram of the first.
 
     .venv/bin/python -m benchmarks.triton_isa                 # the working tree's kernel
@@ -79,9 +81,34 @@ def compile_stage1(tk, dtype: torch.dtype, arch: int, multi: bool = False, align
             sig[name] = "i32"
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]  # what the launcher's fresh / aligned tensors get
+    options = (tk._stage1_options(kind, read.itemsize) if hasattr(tk, "_stage1_options")
+               else {"num_warps": tk._NUM_WARPS})
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", arch, 32),
-                            options={"num_warps": tk._NUM_WARPS})
+                            options=dict(options))
     return kernel, const["BLOCK"], read.itemsize
+
+
+# sm_90 (H100 / H200) limits per SM: 64K 32-bit registers allocated per warp in units of 256, at
+# most 64 warps and 32 thread blocks, 228 KiB of shared memory (1 KiB of it reserved per block).
+def programs_per_sm(regs: int, num_warps: int, shared: int) -> int:
+    """Resident 4-warp programs per SM on sm_90 for a kernel of `regs` registers per thread
+    (CUDA's occupancy rules; what the hardware schedules, independent of the grid)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = (65536 // per_warp) // num_warps
+    by_warps = 64 // num_warps
+    by_smem = (228 * 1024) // (shared + 1024)
+    return min(by_regs, by_warps, by_smem, 32)
+
+
+def waves(tk, dtype: torch.dtype, numel: int, per_sm: int, sms: int = 132):
+    """(chunks, waves, programs per SM in the last wave) of a single-tensor launch of numel
+    elements of dtype with per_sm resident programs per SM."""
+    kind, _, view_as = tk._DTYPE_INFO[dtype]
+    block = tk._block_for(kind, (view_as or dtype).itemsize)
+    chunks = -(-numel // (block * tk._iters_for(-(-numel // block))))
+    resident = per_sm * sms
+    last = chunks - (-(-chunks // resident) - 1) * resident
+    return chunks, chunks / resident, last / sms
 
 
 def compile_stage2(tk, arch: int, multi: bool):
@@ -144,12 +171,15 @@ def main(argv=None) -> int:
     tk = load_module(args.rev, args.file)
     print(f"triton {triton.__version__}, sm_{args.arch}, {tk._NUM_WARPS} warps, "
           f"kernel from {args.file or args.rev or 'working tree'}")
-    print(f"{'dtype':<14}{'regs':>5}{'loop instr':>11}{'elem/thr':>9}{'B/thr':>6}  {'loads':<16}{'instr/elem':>10}")
+    print(f"{'dtype':<14}{'regs':>5}{'loop instr':>11}{'elem/thr':>9}{'B/thr':>6}  {'loads':<16}{'instr/elem':>10}"
+          f"{'prog/SM':>8}  16M elements on 132 SMs: chunks, waves, programs/SM in the last wave")
     for name in args.dtypes:
         dtype = getattr(torch, name)
         kernel, block, itemsize = compile_stage1(tk, dtype, args.arch)
         cubin = kernel.asm["cubin"]
         regs = re.search(r"REG:(\d+)", cuobjdump(["-res-usage"], cubin)).group(1)
+        per_sm = programs_per_sm(int(regs), tk._NUM_WARPS, kernel.metadata.shared)
+        chunks, w, last = waves(tk, dtype, 16 * 2**20, per_sm)
         loops = sass_loops(cuobjdump(["-sass"], cubin))
         # the first loop is the unmasked full-tile loop (the fast path) in every version so far
         ops = loops[0][2]
@@ -157,7 +187,7 @@ def main(argv=None) -> int:
         ldg = collections.Counter(o for o in ops if o.startswith("LDG"))
         loads = " ".join(f"{v}x{k}" for k, v in ldg.items())
         print(f"{name:<14}{regs:>5}{len(ops):>11}{per_thread:>9}{per_thread * itemsize:>6}  {loads:<16}"
-              f"{len(ops) / per_thread:>10.2f}")
+              f"{len(ops) / per_thread:>10.2f}{per_sm:>8}  {chunks}, {w:.2f}, {last:.1f}")
         if args.verbose:
             for lo, hi, lops in loops:
                 n_ldg = sum(1 for o in lops if o.startswith("LDG"))

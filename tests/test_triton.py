@@ -536,3 +536,36 @@ def test_list_length_parity_does_not_change_specialization(monkeypatch):
         per_length[len(xs)] = frozenset(keys)
     assert len(per_length) == 6 and len(set(per_length.values())) == 1, per_length
     assert len(next(iter(per_length.values()))) == 5  # fp32, fp64, int32, unaligned fp32, stage 2
+
+
+def test_stage1_register_cap():
+    """fp16 / bf16 stage-1 launches carry maxnreg=64 (sm_90: 8 resident programs per SM instead of
+    7, see the module docstring's launch-grid paragraph), through both launchers; other read kinds
+    none. The record does not depend on it: a launch with the cap (ignored by the interpreter)
+    gives the record of the uncapped one."""
+    capped = {"num_warps": tk._NUM_WARPS, "maxnreg": 64}
+    assert tk._stage1_options(tk._KIND_FLOAT, 2) == capped
+    for kind, size in ((tk._KIND_FLOAT, 4), (tk._KIND_FLOAT, 8), (tk._KIND_INT, 1), (tk._KIND_INT, 8),
+                       (tk._KIND_E4M3FN, 1), (tk._KIND_E5M2, 1)):
+        assert tk._stage1_options(kind, size) == {"num_warps": tk._NUM_WARPS}, (kind, size)
+    gen = torch.Generator().manual_seed(9)
+    xs = [cast(special_values("mixed", 3000, gen), d).to(DEVICE) for d in (torch.bfloat16, torch.float32)]
+    _, plan, _, _ = tk._table_host(xs, "test")
+    for (kind, _, code, _), _, _, _, _, options in plan:
+        size = next(d.itemsize for d, c in tk._PTR_CODE.items() if c == code)
+        assert options == tk._stage1_options(kind, size)
+    assert any(options == capped for *_, options in plan) != tk.INTERPRETING  # the interpreter reads fp32
+    t, kind, acc64 = tk._prepare(xs[0], "test")
+    n, chunks = t.numel(), triton.cdiv(t.numel(), BLOCK * ITERS)
+    records = []
+    for options in (capped, {"num_warps": tk._NUM_WARPS}):
+        part_i = torch.empty(5 * chunks, dtype=torch.int64, device=DEVICE)
+        part_f = torch.empty(3 * chunks, dtype=torch.float64, device=DEVICE)
+        tk._stage1_kernel[(chunks,)](t, n, ITERS, part_i, 0, 0, part_i, part_f, chunks, KIND=kind, ACC64=acc64,
+                                     CODE=tk._PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=BLOCK, **options)
+        out = torch.empty(8, dtype=torch.float64, device=DEVICE)
+        tk._stage2_kernel[(1,)](part_i, part_f, chunks, out, chunks, int(acc64), part_i, 0, MULTI=False,
+                                BLOCK2=tk._STAGE2_BLOCK, num_warps=tk._NUM_WARPS)
+        records.append(out)
+    assert torch.equal(records[0], records[1])
+    assert_record_matches(records[0], reference.summarize(xs[0]), xs[0])

@@ -53,9 +53,50 @@ Known limitations:
   and numel only, and the per-tensor arithmetic runs on small CPU tensors; every other tensor is
   validated and converted one by one (``_prepare``, 8 - 15 us). ``benchmarks/triton_host.py``
   measures it.
-* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS) were
-  chosen from register counts and instruction mixes of the kernels compiled ahead of time for
-  sm_90 (``benchmarks/triton_isa.py``), not tuned by measurement on a GPU.
+* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS,
+  _MAXNREG) were chosen from register counts and instruction mixes of the kernels compiled ahead
+  of time for sm_90 (``benchmarks/triton_isa.py``, which also prints programs per SM and waves),
+  not tuned by measurement on a GPU.
+
+The launch grid (H200: 132 SMs; numbers for sm_90, triton 3.8, 4-warp programs). Stage 1 has one
+program per chunk, and the chunking -- so the fp32 merge order of the sum of squares -- is a
+function of numel and dtype only (``_iters_for``: [2048, 4096) chunks for tensors of 2048 tiles or
+more, up to _MAX_ITERS tiles per chunk). The hardware keeps 65536 / (32 * regs rounded up to 8) /
+4 programs of a stage-1 kernel resident per SM: 12 at 40 registers (fp32, fp64), 9 at 54-56
+(int32, bool), 8 at 64 (fp16), 7 at 65-72 (bf16 uncapped: 70, and fp16 / bf16 on triton 3.6).
+A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
+waves whose last one holds 1.5 programs per SM: each program keeps 8 KiB in flight, and by
+Little's law (4.8 TB/s * ~650 ns) ~3 per SM are needed to keep HBM busy, so the last wave runs at
+about half bandwidth (an estimate, not a measurement).
+What was considered:
+
+  - A persistent grid (SMs x occupancy programs, each looping over chunks pid, pid + G, ...) with
+    the same chunks: the makespan is still ceil(2048 / 924) = 3 chunks per program, the same
+    quantization, and the loop costs registers (measured in an earlier attempt: fp32 40 -> 48,
+    fp16 64 -> 72, i.e. 12 -> 10 and 8 -> 7 programs per SM). Folding a program's consecutive
+    chunks into one partial would make the fp32 sum depend on G: not allowed.
+  - Finer chunks (so that the tail is a small fraction of many waves): every chunk pays a fixed
+    ~240 instructions per thread outside the loops (setup, the cross-lane reductions, eight
+    stores) against 237 per tile in the bf16 fast loop, so at 16M bf16, 4096 one-tile chunks
+    issue 4096 * 4 warps * (237 + 240) = 7.8M warp instructions, 7.5 us at H200's ~1.05e12 per
+    second -- more than the 7.0 us the 32 MiB take at 4.8 TB/s (2048 chunks: 5.9M, 5.6 us). The
+    tail would shrink (4.4 waves, the last at 3 programs per SM) but stage 1 would turn
+    issue-bound, and stage 2 would read twice the partials. Not an improvement on paper.
+  - Chunk counts that fill whole waves on the GPU at hand: the chunking would depend on the
+    device. Not allowed.
+
+  Chosen: the grid stays one program per chunk, the chunking unchanged (2048 partials at 16M;
+  stage 2 still reads <= 4096 partials per tensor, 8 loads per 256), and the occupancy that sets
+  the wave count goes up where it was lost: fp16 / bf16 stage-1 kernels are compiled with
+  ``maxnreg=64`` (_MAXNREG), so bf16 is 64 registers (was 70; 8 programs per SM, was 7): 16M bf16
+  is 1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5, and fp16
+  stays at 8 on triton 3.6 as well. The cost: one 32-bit spill outside the loops (one STL / LDL
+  per chunk) and one more instruction in the fast loop (237, was 236). The four block reductions
+  at the end of a chunk are now one ``tl.reduce`` of four operands (4 barriers per chunk, was 8;
+  the instruction count is unchanged, ~105; the sum's order is still a function of BLOCK and
+  _NUM_WARPS only). Other sizes and dtypes keep their waves (fp32 16M: 1.29 waves, the last
+  at 3.5 programs per SM, enough to keep HBM busy). To be confirmed on a GPU: the compiled bf16 /
+  fp16 kernels' n_regs (64) on triton 3.6, and that bf16 16M is faster, not slower, capped.
 """
 
 import contextlib
@@ -156,6 +197,14 @@ _UNROLL = 4  # loads per thread per tile; the kernels spell the four loads out (
 _BLOCK_BY_ITEMSIZE = {s: _NUM_WARPS * 32 * _UNROLL * 16 // s for s in (8, 4, 2)}  # KIND_FLOAT
 _BLOCK_OTHER = _NUM_WARPS * 32 * _UNROLL * 4
 _TARGET_PROGRAMS = 2048
+# Register cap (ptxas .maxnreg) of the stage-1 kernel per (kind, element size); none where absent.
+# fp16 / bf16 tiles hold 32 elements per thread in three float32 accumulators and an int32 count
+# of 8 lanes each: uncapped they take 64 (fp16) / 70 (bf16) registers on triton 3.8 and ~70 on
+# 3.6, i.e. 7 programs per SM on sm_90 (a 4-warp program at 65-72 registers), 8 at <= 64. Capped
+# at 64, bf16 keeps its fast loop (237 instructions, was 236) and spills one 32-bit value
+# outside the loops (one STL / LDL per chunk, in the epilogue). See the launch-grid paragraph
+# of the module docstring for why occupancy, and not the grid shape, is what moves the tail.
+_MAXNREG = {(_KIND_FLOAT, 2): 64}
 _MAX_ITERS = 64
 # The rescan packs three per-lane counters into one int32, 10 bits each; a lane sees
 # iters * _UNROLL elements of a chunk, so iters <= 255 keeps every field <= 1020.
@@ -347,6 +396,12 @@ def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vfirst, MASKED: tl.cons
 
 
 @triton.jit
+def _combine_fast(z0, mn0, mx0, ss0, z1, mn1, mx1, ss1):
+    """Combine of the fast pass's per-lane (zero count, min, max, sum of squares)."""
+    return z0 + z1, tl.minimum(mn0, mn1), tl.maximum(mx0, mx1), ss0 + ss1
+
+
+@triton.jit
 def _accumulators(ACC64: tl.constexpr, SUB: tl.constexpr):
     """Per-lane identities of min / max / sum of squares in the compute type."""
     if ACC64:
@@ -392,8 +447,8 @@ def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB:
 # benchmarks.triton_isa` (triton 3.8; 3.6 within 5%):
 #   dtype  instructions / element  registers  bytes in flight / thread
 #   fp32        6.8  (was 24.4)     40 (64)    64 (32)
-#   bf16        7.4  (was 24.5)     70 (75)    64 (16)
-#   fp16        7.2  (was 25.4)     64 (62)    64 (16)
+#   bf16        7.4  (was 24.5)     64 (75)    64 (16)   (70 without the maxnreg=64 cap)
+#   fp16        7.2  (was 25.4)     64 (62)    64 (16)   (capped at 64 too: ~70 on triton 3.6)
 #   fp64       11.5  (was 41.8)     40 (54)    64 (32)
 # ("was": the kernel that classified every element, `--rev 8e80e4b`.) fp32 per 16 elements:
 # 4 LDG.128, 32 FMNMX (min, max), 16 FFMA (sum of squares), 16 FSETP + ~34 integer instructions
@@ -453,10 +508,11 @@ def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, p
         zeros, vmin, vmax, vss = _fold_fast(_value(_load(p, loc, rem32, True), KIND, ACC64), loc, rem32,
                                             zeros, vmin, vmax, vss, True)
 
-    n_zero = tl.sum(zeros, axis=0).to(tl.int64)
-    mn = tl.min(vmin, axis=0)
-    mx = tl.max(vmax, axis=0)
-    ss = tl.sum(vss, axis=0)
+    # one reduction of the four accumulators together: one round trip through shared memory (two
+    # barriers) instead of four; the sum of squares' order (in-thread, then the same butterfly and
+    # cross-warp tree as tl.sum) is a function of BLOCK and _NUM_WARPS only
+    nz32, mn, mx, ss = tl.reduce((zeros, vmin, vmax, vss), 0, _combine_fast)
+    n_zero = nz32.to(tl.int64)
     n_nan = n_zero * 0
     n_pinf = n_nan
     n_ninf = n_nan
@@ -581,6 +637,17 @@ def _block_for(kind: int, itemsize: int) -> int:
     return _BLOCK_BY_ITEMSIZE[itemsize] if kind == _KIND_FLOAT else _BLOCK_OTHER
 
 
+def _stage1_options(kind: int, itemsize: int) -> dict:
+    """Launch options of the stage-1 kernel for (kind, element size): num_warps, and maxnreg where
+    _MAXNREG caps the registers (part of Triton's specialization key: one compile per dtype, as
+    before). The interpreter ignores both."""
+    return _STAGE1_OPTIONS.get((kind, itemsize), _STAGE1_DEFAULT)
+
+
+_STAGE1_DEFAULT = {"num_warps": _NUM_WARPS}
+_STAGE1_OPTIONS = {key: {"num_warps": _NUM_WARPS, "maxnreg": regs} for key, regs in _MAXNREG.items()}
+
+
 def _iters_for(nblocks: int) -> int:
     return max(1, min(_MAX_ITERS, nblocks // _TARGET_PROGRAMS))
 
@@ -610,7 +677,7 @@ def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
         _stage1_kernel[(nchunks,)](
             t, n, iters, part_i, 0, 0, part_i, part_f, nchunks,
             KIND=kind, ACC64=acc64, CODE=_PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=block,
-            num_warps=_NUM_WARPS)
+            **_stage1_options(kind, t.element_size()))
         _stage2_kernel[(1,)](
             part_i, part_f, nchunks, out, nchunks, int(acc64), part_i, 0,
             MULTI=False, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
@@ -727,7 +794,7 @@ def _table_host(xs: list, op: str, block=None, iters=None):
 
     Returns ``(meta_host, plan, device, keep)``: the int64 table (data pointers, numels, first
     chunk and chunk count per tensor, float64-accumulation flags, then the owning tensor of every
-    chunk), one ``((kind, acc64, code, aligned), first chunk, chunks, iters, block)`` per launch
+    chunk), one ``((kind, acc64, code, aligned), first chunk, chunks, iters, block, options)`` per launch
     group, the common device, and _entries' copies."""
     n = len(xs)
     ptrs, numels, kinds, device, keep = _entries(xs, op)
@@ -762,7 +829,7 @@ def _table_host(xs: list, op: str, block=None, iters=None):
         nch[idx] = counts
         cbase[idx] = total + counts.cumsum(0) - counts
         count = int(counts.sum())
-        plan.append(((kind, acc64, code, g % 2 == 1), total, count, g_iters, g_block))
+        plan.append(((kind, acc64, code, g % 2 == 1), total, count, g_iters, g_block, _stage1_options(kind, size)))
         order.append(idx)
         total += count
     # The owner of every chunk: tensor order_t[k] owns the counts[k] chunks from its cbase on (each
@@ -793,7 +860,7 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     # (_keep: the contiguous copies of inputs not read in place, alive until the launches are queued)
     meta_host, plan, device, _keep = _table_host(xs, op, _block, _iters)
     n = len(xs)
-    total = sum(count for _, _, count, _, _ in plan)
+    total = sum(entry[2] for entry in plan)
     out = torch.empty((n, RECORD_SIZE), dtype=torch.float64, device=device)
     if device.type == "cuda":
         # pinned, so the copy is truly asynchronous (no wait on the stream); the caching host
@@ -808,11 +875,10 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     part_i = torch.empty(5 * rows, dtype=torch.int64, device=device)
     part_f = torch.empty(3 * rows, dtype=torch.float64, device=device)
     with _device_guard(device):
-        for (kind, acc64, code, aligned), start, count, iters, block in plan:
+        for (kind, acc64, code, aligned), start, count, iters, block, options in plan:
             _stage1_kernel[(count,)](
                 meta, 0, iters, meta, n, start, part_i, part_f, rows,
-                KIND=kind, ACC64=acc64, CODE=code, MULTI=True, ALIGNED=aligned, BLOCK=block,
-                num_warps=_NUM_WARPS)
+                KIND=kind, ACC64=acc64, CODE=code, MULTI=True, ALIGNED=aligned, BLOCK=block, **options)
         _stage2_kernel[(n,)](
             part_i, part_f, rows, out, 0, 0, meta, n,
             MULTI=True, BLOCK2=_STAGE2_BLOCK, num_warps=_NUM_WARPS)
