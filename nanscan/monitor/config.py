@@ -102,6 +102,16 @@ class WatchConfig:
     to a narrower dtype (e.g. a float8 recipe with a fixed scale); their headroom is measured
     against it.
 
+    Numbers for your tracker:
+
+    ``telemetry``: a sink or a list of sinks (:mod:`nanscan.telemetry`: ``TensorBoard(log_dir)``,
+    ``WandB()``, ``MLflow()``, ``JSONL(path)``, or any ``fn(step, scalars)``) that get every module's
+    numbers every ``telemetry_every`` steps (:mod:`nanscan.monitor.health`: names, statistics, the
+    NaN rule); the monitor closes them when it closes. ``telemetry_every``: a multiple of ``every``
+    (telemetry points are checked steps); default ``every`` times the smallest number that makes it
+    at least 10. ``telemetry_names``: fnmatch patterns of the tensors (module paths, parameter paths)
+    that get per-tensor scalars (default ``("*",)``: every one); the per-step scalars are always sent.
+
     Normalized when made: ``compiled_grads`` True / False become ``"taps"`` / ``"off"``,
     ``headroom_bits=True`` the suggested number, ``allow`` a tuple.
     """
@@ -124,6 +134,9 @@ class WatchConfig:
     eval_forwards: str = "check"
     headroom_bits: Optional[float] = None
     headroom_cast: Optional[dict] = None
+    telemetry: Any = None
+    telemetry_every: Optional[int] = None
+    telemetry_names: Any = ("*",)
 
     def __post_init__(self) -> None:
         normalize = _normalizer(self)
@@ -174,6 +187,27 @@ class WatchConfig:
                                    f"got {cast!r}")
             if bits is None:
                 _refuse(ValueError, "headroom_cast needs headroom_bits (the warning threshold)")
+        if self.telemetry is not None:
+            from nanscan.telemetry import check_sink
+
+            sinks = list(self.telemetry) if isinstance(self.telemetry, (list, tuple)) else [self.telemetry]
+            if not sinks:
+                _refuse(ValueError, "telemetry must be a sink or a non-empty list of sinks (None: off)")
+            sinks = [check_sink(s) for s in sinks]
+            if len({id(s) for s in sinks}) != len(sinks):
+                _refuse(ValueError, "telemetry: the same sink is given twice (it would receive every point twice)")
+            normalize("telemetry", tuple(sinks))
+        te = self.telemetry_every
+        if te is None:
+            normalize("telemetry_every", every * -(-10 // every))
+        elif isinstance(te, bool) or not isinstance(te, int) or te < 1 or te % every:
+            _refuse(ValueError, f"telemetry_every must be an int >= 1 and a multiple of every={every} (telemetry "
+                                f"points are checked steps), got {te!r}")
+        names = (self.telemetry_names,) if isinstance(self.telemetry_names, str) else self.telemetry_names
+        if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+            _refuse(TypeError, f"telemetry_names must be an fnmatch pattern (str) or a non-empty list of them, got "
+                               f"{self.telemetry_names!r}")
+        normalize("telemetry_names", tuple(names))
 
     # Derived once (the hooks read these on every step).
     @property

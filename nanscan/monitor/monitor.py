@@ -51,7 +51,9 @@ from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.autocast_probe import AutocastProbe, autocast_enabled
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.headroom import HeadroomWatch
+from nanscan.monitor.health import Health
 from nanscan.monitor.incident import Incident, NonFiniteError
+from nanscan.telemetry import Publisher
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
@@ -95,7 +97,11 @@ class Monitor:
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
         self.findings = Findings(config.allow, self.rank)
-        self.steplog: Optional[StepLog] = StepLog(config.log, self.rank) if config.log is not None else None
+        # Telemetry (Health) hears of every read and, through the step log, of every complete step.
+        health = (Health(Publisher(config.telemetry), config.telemetry_every, config.every, config.telemetry_names)
+                  if config.telemetry is not None else None)
+        self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health)
+                                           if config.log is not None or health is not None else None)
         self.headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)
                          if config.headroom_bits is not None else None)
         self._autocast_probe = AutocastProbe()
@@ -538,10 +544,11 @@ class Monitor:
             self.tensors.note_read(read)
         found = self.findings.judge(read)
         if self.steplog is not None:
-            n = len(read.slots)
-            self.steplog.observe(read.slots, [read.values(i) for i in range(n)], [i in read.bad for i in range(n)])
+            self.steplog.observe(read)
         if self.headroom is not None and read.training:
             self._check_headroom(read)
+        if read.training and self.steplog is not None and self.steplog.health is not None:
+            self._observe_health(read)
         found, report = self.findings.agree(read, found)
         self.findings.add(found)
         if report is None:
@@ -608,6 +615,15 @@ class Monitor:
         except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
             self.headroom = None
             warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
+
+    def _observe_health(self, read: Read) -> None:
+        """Telemetry's look at a read (:mod:`nanscan.monitor.health`); a failure is nanscan's own:
+        warned once, telemetry turned off, training goes on."""
+        try:
+            self.steplog.health.observe(read)
+        except Exception as error:  # pragma: no cover - telemetry never stops training
+            self.steplog.health = None
+            warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
 
     def _log_incidents(self, incidents) -> None:
         if self.steplog is not None:

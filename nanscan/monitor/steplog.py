@@ -37,19 +37,22 @@ import math
 import warnings
 from typing import Optional
 
-from nanscan.monitor.slots import EagerRows
-from nanscan.record import Field
+from nanscan.monitor.slots import Block, EagerRows, GradBlock
+from nanscan.record import RECORD_SIZE, Field
 from nanscan.vocabulary import TRAINING_PHASES
 
 
 class StepLog:
-    def __init__(self, log, rank: int):
+    def __init__(self, log, rank: int, health=None):
         from nanscan.log import EventLog
 
         self.steps: dict = {}  # step -> its entry, only for checked steps still to be written
         self.error: Optional[BaseException] = None
         self.written = -1  # the last step flushed: a record of it or of an earlier step is late
-        self.owned = not isinstance(log, EventLog)
+        # The step's numbers go to the event log (log None: none) and to telemetry (health None: none).
+        self.health = health
+        self.logging = log is not None
+        self.owned = log is not None and not isinstance(log, EventLog)
         self.log = log if not self.owned else None
         if self.owned:  # opening it is a write too: a failure warns once and logging stops
             self._write(lambda: setattr(self, "log", EventLog(log, rank=rank)))
@@ -58,6 +61,9 @@ class StepLog:
         """The entry of ``step``, made if needed; None when ``step`` was flushed already (late)."""
         if step <= self.written:
             return None
+        entry = self.steps.get(step)  # (asked once per decoded row: no new dict for a step that has one)
+        if entry is not None:
+            return entry
         return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
                                             "nonfinite": dict.fromkeys(TRAINING_PHASES, 0), "ended": False,
                                             "read": False, "headroom": {}})
@@ -73,11 +79,13 @@ class StepLog:
                     return phase == "eval"
         return False
 
-    def observe(self, slots, values, nonfinite) -> None:
-        """Fold one decoded read into its steps; an eval forward's read is not a step's (see the
-        module docstring) and is left out. (The hooks' rows are looked at only where they matter
-        here -- non-finite, or the model's own loss -- : making a Slot of each costs more than the
-        rest of the read.)"""
+    def observe(self, read) -> None:
+        """Fold one decoded :class:`~nanscan.monitor.read.Read` into its steps; an eval forward's read
+        is not a step's (see the module docstring) and is left out. Only the rows that matter here
+        are decoded -- non-finite ones, losses, parameter gradients (their norm) --, the hooks' rows
+        from one conversion of the host records, and no Slot is made for a block's row (making a
+        Slot of each row costs more than the rest of the read)."""
+        slots, bad = read.slots, read.bad
         eager = list({id(s): s for s in slots if type(s) is EagerRows}.values())
         if any(self._eval_read(slots, rows) for rows in eager):
             return
@@ -86,26 +94,70 @@ class StepLog:
                 e = self._entry(step)
                 if e is not None:
                     e["read"] = True
-        for i, (s, v, bad) in enumerate(zip(slots, values, nonfinite)):
-            if type(s) is EagerRows:
-                if not bad and i not in s.loss_entries:
-                    continue
-                s = s.slot(i)
-            if s.phase == "eval":  # (defensive: an eval read was left out above)
-                continue
-            e = self._entry(s.step)
-            if e is None:  # already written (a late record; incidents are logged on their own)
-                continue
-            e["read"] = True
+        n_host = read.eager_count if read.host is not None else 0
+        host = read.host[:n_host, :RECORD_SIZE].tolist() if n_host else []
+
+        def values(i):
+            return host[i] if i < n_host else read.values(i)
+
+        i, total = 0, len(slots)
+        while i < total:
+            s = slots[i]
+            t = type(s)
+            if t is EagerRows:
+                if i in bad or i in s.loss_entries:
+                    row = s.slot(i)
+                    self._fold(row.step, row.phase, row.kind, row.param, row.candidate, values(i), i in bad)
+                i += 1
+            elif isinstance(s, Block):  # (a block's rows share step, phase and kind: no Slot made for any)
+                end = s.start + (len(s.meta) if t is GradBlock else len(s.names))
+                self._fold_block(s, end, bad, values)
+                i = max(end, i + 1)
+            else:
+                self._fold(s.step, s.phase, s.kind, s.param, s.candidate, values(i), i in bad)
+                i += 1
+
+    def _fold(self, step, phase, kind, param, candidate, v, is_bad: bool) -> None:
+        """One decoded row into its step's entry."""
+        if phase == "eval":  # (defensive: an eval read was left out above)
+            return
+        e = self._entry(step)
+        if e is None:  # already written (a late record; incidents are logged on their own)
+            return
+        e["read"] = True
+        count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
+        if candidate and phase in e["nonfinite"]:
+            e["nonfinite"][phase] += count
+        if kind == "loss":
+            e["loss"] = v[Field.FINITE_MIN] if not is_bad else (
+                math.nan if v[Field.NAN_COUNT] else math.copysign(math.inf, v[Field.POSINF_COUNT] - 0.5))
+        elif kind == "grad" and param is not None:
+            e["grad_sumsq"] = (e["grad_sumsq"] or 0.0) + v[Field.SUMSQ]
+            e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
+
+    def _fold_block(self, block, end: int, bad: set, values) -> None:
+        """The rows [block.start, end) of one block: only its non-finite rows, and every row of the
+        parameter gradients (their norm), are decoded."""
+        if block.phase == "eval":
+            return
+        e = self._entry(block.step)
+        if e is None:
+            return
+        e["read"] = True
+        start = block.start
+        broken = sorted(j for j in bad if start <= j < end)
+        for j in broken:  # (counts, and a non-finite gradient's kind; the norm is summed below)
+            v = values(j)
             count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
-            if s.candidate and s.phase in e["nonfinite"]:
-                e["nonfinite"][s.phase] += count
-            if s.kind == "loss":
-                e["loss"] = v[Field.FINITE_MIN] if not bad else (math.nan if v[Field.NAN_COUNT] else
-                                                                  math.copysign(math.inf, v[Field.POSINF_COUNT] - 0.5))
-            elif s.kind == "grad" and s.param is not None:
-                e["grad_sumsq"] = (e["grad_sumsq"] or 0.0) + v[Field.SUMSQ]
+            if block.phase in e["nonfinite"]:
+                e["nonfinite"][block.phase] += count
+            if block.kind == "grad" and block.param is not None:
                 e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
+        if block.kind == "grad" and block.param is not None:  # every row, in order
+            total, sumsq = e["grad_sumsq"] or 0.0, Field.SUMSQ
+            for j in range(start, end):
+                total = total + values(j)[sumsq]
+            e["grad_sumsq"] = total
 
     def headroom(self, step: int, lowest: dict) -> None:
         """The tensors closest to overflow in ``step`` (``label -> bits``), kept with its record."""
@@ -169,14 +221,25 @@ class StepLog:
                 grad_norm = math.inf
             elif e["grad_sumsq"] is not None:
                 grad_norm = math.sqrt(e["grad_sumsq"])
+            if self.health is not None:
+                self._publish(step, e, grad_norm)
             extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
             # (_write calls it at once; a lambda, not a partial: self.log and e are read inside _write's try)
             self._write(lambda step=step, e=e, grad_norm=grad_norm, extra=extra: self.log.step(
                 step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"], lr=e.get("lr"),
                 update=e.get("update"), nonfinite=e["nonfinite"], **extra))
 
+    def _publish(self, step: int, e: dict, grad_norm) -> None:
+        """The step's numbers to telemetry (a failure there is nanscan's own: warned once, telemetry off)."""
+        try:
+            self.health.step_done(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
+                                  skipped=e.get("update") == "skipped", nonfinite=sum(e["nonfinite"].values()))
+        except Exception as error:  # pragma: no cover - telemetry never stops training
+            self.health = None
+            warnings.warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
+
     def _write(self, write) -> None:
-        if self.error is not None:
+        if self.error is not None or not self.logging:
             return
         try:
             write()
@@ -189,3 +252,5 @@ class StepLog:
         self.flush()
         if self.owned and self.log is not None:
             self._write(self.log.close)
+        if self.health is not None:
+            self.health.close()

@@ -100,9 +100,16 @@ def finite_scalars(scalars: Mapping) -> dict:
         raise TypeError(f"nanscan.telemetry: scalars must be a mapping name -> number, got {type(scalars).__name__}")
     out: dict = {}
     broken = []
+    isfinite = math.isfinite
     for name, value in scalars.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"nanscan.telemetry: scalar names must be non-empty str, got {name!r}")
+        if type(value) is float:  # (the common case, the monitor's points: no conversion to make)
+            if isfinite(value):
+                out[name] = value
+            else:
+                broken.append(name)
+            continue
         number = to_float(name, value)
         if number is None:
             continue
