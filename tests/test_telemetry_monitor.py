@@ -155,4 +155,4 @@ def test_telemetry_options_are_checked_at_watch():
         nanscan.watch(model, telemetry="runs/tb")
     with pytest.raises(TypeError, match="telemetry_names must be an fnmatch pattern"):
         nanscan.watch(model, telemetry=lambda s, p: None, telemetry_names=[1])
-    assert nanscan.WatchConfig(every=3).telemetry_every == 12 and nanscan.WatchConfig().telemetry_every == 10
+    assert nanscan.WatchConfig(every=3).telemetry_interval == 12 and nanscan.WatchConfig().telemetry_interval == 10

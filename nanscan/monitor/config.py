@@ -108,9 +108,10 @@ class WatchConfig:
     ``WandB()``, ``MLflow()``, ``JSONL(path)``, or any ``fn(step, scalars)``) that get every module's
     numbers every ``telemetry_every`` steps (:mod:`nanscan.monitor.health`: names, statistics, the
     NaN rule); the monitor closes them when it closes. ``telemetry_every``: a multiple of ``every``
-    (telemetry points are checked steps); default ``every`` times the smallest number that makes it
-    at least 10. ``telemetry_names``: fnmatch patterns of the tensors (module paths, parameter paths)
-    that get per-tensor scalars (default ``("*",)``: every one); the per-step scalars are always sent.
+    (telemetry points are checked steps); default (None) ``every`` times the smallest number that
+    makes it at least 10 (:attr:`telemetry_interval`). ``telemetry_names``: fnmatch patterns of the
+    tensors (module paths, parameter paths) that get per-tensor scalars (default ``("*",)``: every
+    one); the per-step scalars are always sent.
 
     Normalized when made: ``compiled_grads`` True / False become ``"taps"`` / ``"off"``,
     ``headroom_bits=True`` the suggested number, ``allow`` a tuple.
@@ -198,9 +199,7 @@ class WatchConfig:
                 _refuse(ValueError, "telemetry: the same sink is given twice (it would receive every point twice)")
             normalize("telemetry", tuple(sinks))
         te = self.telemetry_every
-        if te is None:
-            normalize("telemetry_every", every * -(-10 // every))
-        elif isinstance(te, bool) or not isinstance(te, int) or te < 1 or te % every:
+        if te is not None and (isinstance(te, bool) or not isinstance(te, int) or te < 1 or te % every):
             _refuse(ValueError, f"telemetry_every must be an int >= 1 and a multiple of every={every} (telemetry "
                                 f"points are checked steps), got {te!r}")
         names = (self.telemetry_names,) if isinstance(self.telemetry_names, str) else self.telemetry_names
@@ -224,6 +223,13 @@ class WatchConfig:
     def compiled_grad_hooks(self) -> bool:
         """Inside compiled graphs, gradients are taken by tensor hooks dynamo traces."""
         return self.records_activation_grads and self.compiled_grads == "hooks"
+
+    @property
+    def telemetry_interval(self) -> int:
+        """Steps between telemetry points: ``telemetry_every``, or by default ``every`` times the
+        smallest number that makes it at least 10 (telemetry points are checked steps)."""
+        te = self.telemetry_every
+        return te if te is not None else self.every * -(-10 // self.every)
 
     @classmethod
     def of(cls, config: Optional["WatchConfig"], options: dict) -> "WatchConfig":

@@ -98,7 +98,7 @@ class Monitor:
                                                      and torch.distributed.is_initialized()) else 0
         self.findings = Findings(config.allow, self.rank)
         # Telemetry (Health) hears of every read and, through the step log, of every complete step.
-        health = (Health(Publisher(config.telemetry), config.telemetry_every, config.every, config.telemetry_names)
+        health = (Health(Publisher(config.telemetry), config.telemetry_interval, config.every, config.telemetry_names)
                   if config.telemetry is not None else None)
         self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health)
                                            if config.log is not None or health is not None else None)
