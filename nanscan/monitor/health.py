@@ -42,17 +42,6 @@ __all__ = ["Health"]
 _MAX: dict = {}  # dtype -> its largest finite value (None: not floating)
 _NAN, _POSINF, _NEGINF, _ZERO = Field.NAN_COUNT, Field.POSINF_COUNT, Field.NEGINF_COUNT, Field.ZERO_COUNT
 _MIN, _MAX_FIELD, _SUMSQ = Field.FINITE_MIN, Field.FINITE_MAX, Field.SUMSQ
-_NAMES: dict = {}  # (stat, name) -> its scalar name (made once: every point has the same names)
-
-
-def _name(stat: str, name: str) -> str:
-    key = (stat, name)
-    full = _NAMES.get(key)
-    if full is None:
-        full = _NAMES[key] = f"{PREFIX}/{stat}/{name}"
-    return full
-
-
 def _max_of(dtype) -> Optional[float]:
     limit = _MAX.get(dtype)
     if limit is None and dtype not in _MAX:
@@ -78,9 +67,18 @@ class Health:
         self._counts: dict = {}  # step -> {scalar name: its non-finite values} since the last point
         self._step_nonfinite = 0  # ... in every record of the checked steps since the last point
         self._skipped = 0  # updates skipped so far (running)
+        self._least: dict = {}  # telemetry step -> the least headroom_bits of its module outputs
+        # (prefix, tensor name) -> its scalar names: the statistics', then its non-finite count's; ()
+        # when telemetry_names leaves it out. Made once per tensor (every point has the same names).
+        self._names: dict = {}
 
     def wants(self, step: int) -> bool:
         return step % self.every == 0
+
+    def wants_read(self, read) -> bool:
+        """``read`` holds records of a telemetry step: its own, or the last checked step's parameters
+        after the update."""
+        return self.wants(read.step) or self.wants(read.step - self.lag)
 
     def observe(self, read) -> None:
         """One decoded training :class:`~nanscan.monitor.read.Read`: the non-finite counts of its
@@ -88,9 +86,8 @@ class Health:
         step -- its own step's, or the previous checked step's parameters after the update --, the
         statistics of those (from the host records in one conversion, rows described without
         making a Slot of each)."""
-        step = read.step
         bad = read.bad
-        if not (self.wants(step) or self.wants(step - self.lag)):
+        if not self.wants_read(read):
             for i in sorted(bad):
                 slot = read.slot(i)
                 if slot.step is not None:
@@ -134,42 +131,65 @@ class Health:
                   dtype, _numel(shape), step, v, bad)
 
     def _row(self, kind, phase, candidate, param, name, dtype, numel, step, v, bad: bool) -> None:
-        if kind == "activation" and phase == "forward" and candidate:
-            prefix, stats = "", ("rms", "amax", "zero_frac", "headroom_bits")
-        elif kind == "grad" and param is not None:
-            prefix, stats = "grad_", ("norm", "amax")
-        elif kind == "param" and phase == "update":
-            prefix, stats = "param_", ("norm", "amax")
+        # (Runs for every row of a telemetry step: ~1,000 rows for a 200-layer model, so it is kept
+        # tight -- one cached tuple of scalar names per tensor, no per-statistic dispatch.)
+        if kind == "activation":
+            if phase != "forward" or not candidate:
+                return
+            prefix = ""
+        elif kind == "grad":
+            if param is None:
+                return
+            prefix = "grad_"
+        elif kind == "param":
+            if phase != "update":
+                return
+            prefix = "param_"
         else:
             return
-        if not bad and not self.wants(step):
+        point = step % self.every == 0
+        if not bad and not point:
             return
-        if self.names is not None and not name_allowed(name, self.names):
+        key = (prefix, name)
+        names = self._names.get(key)
+        if names is None:
+            if self.names is not None and not name_allowed(name, self.names):
+                names = self._names[key] = ()
+            else:
+                stats = ("rms", "amax", "zero_frac", "headroom_bits") if not prefix else ("norm", "amax")
+                names = self._names[key] = tuple(f"{PREFIX}/{prefix}{stat}/{name}" for stat in stats + ("nonfinite",))
+        if not names:
             return
         count = int(v[_NAN] + v[_POSINF] + v[_NEGINF]) if bad else 0
         if count:
             counts = self._counts.setdefault(step, {})
-            counted = _name(prefix + "nonfinite", name)
-            counts[counted] = counts.get(counted, 0) + count
-        if not self.wants(step):
+            counts[names[-1]] = counts.get(names[-1], 0) + count
+        if not point:
             return
-        points = self._points.setdefault(step, {})
+        points = self._points.get(step)
+        if points is None:
+            points = self._points[step] = {}
         finite = numel - count
-        amax = max(abs(v[_MIN]), abs(v[_MAX_FIELD])) if finite > 0 else None
+        if finite > 0:
+            lo, hi = v[_MIN], v[_MAX_FIELD]
+            amax = hi if hi >= -lo else -lo
+        else:
+            amax = None
         sumsq = v[_SUMSQ]
-        for stat in stats:
-            if stat == "rms":
-                value = math.sqrt(sumsq / finite) if finite > 0 else None
-            elif stat == "norm":
-                value = math.sqrt(sumsq) if finite > 0 else None
-            elif stat == "amax":
-                value = amax
-            elif stat == "zero_frac":
-                value = v[_ZERO] / numel if numel else None
-            else:  # headroom_bits
-                limit = _max_of(dtype)
-                value = math.log2(limit / amax) if (limit is not None and amax) else None
-            points[_name(prefix + stat, name)] = value
+        if prefix:  # a parameter or a gradient
+            points[names[0]] = math.sqrt(sumsq) if finite > 0 else None
+            points[names[1]] = amax
+            return
+        points[names[0]] = math.sqrt(sumsq / finite) if finite > 0 else None
+        points[names[1]] = amax
+        points[names[2]] = v[_ZERO] / numel if numel else None
+        limit = _max_of(dtype)
+        headroom = math.log2(limit / amax) if (limit is not None and amax) else None
+        points[names[3]] = headroom
+        if headroom is not None:
+            least = self._least.get(step)
+            if least is None or headroom < least:
+                self._least[step] = headroom
 
     def step_done(self, step: int, *, loss, grad_norm, loss_scale, skipped: bool, nonfinite: int) -> None:
         """A checked step is complete (the step log flushes it); publishes it when it is a telemetry
@@ -185,11 +205,13 @@ class Health:
         for counted in [k for k in self._counts if k <= step]:  # every checked step since the last point
             for name, count in self._counts.pop(counted).items():
                 points[name] = (points.get(name) or 0) + count
-        headroom = [v for k, v in points.items() if k.startswith("nanscan/headroom_bits/") and v is not None]
+        least = self._least.pop(step, None)
+        for old in [k for k in self._least if k < step]:
+            del self._least[old]
         points.update({
             scalar_name("loss"): loss, scalar_name("grad_norm"): grad_norm, scalar_name("loss_scale"): loss_scale,
             scalar_name("updates_skipped"): self._skipped, scalar_name("nonfinite"): self._step_nonfinite,
-            scalar_name("headroom_bits"): min(headroom) if headroom else None,
+            scalar_name("headroom_bits"): least,
         })
         self._step_nonfinite = 0
         self.publisher.publish(step, points)

@@ -94,6 +94,13 @@ class StepLog:
                 e = self._entry(step)
                 if e is not None:
                     e["read"] = True
+        if not self.logging and self.health is not None and not self.health.wants_read(read):
+            # Telemetry alone, and no telemetry step in this read: only what adds up between points
+            # (non-finite counts, kept per step) is needed.
+            for i in sorted(bad):
+                row = read.slot(i)
+                self._fold(row.step, row.phase, row.kind, row.param, row.candidate, read.values(i), True)
+            return
         n_host = read.eager_count if read.host is not None else 0
         host = read.host[:n_host, :RECORD_SIZE].tolist() if n_host else []
 
