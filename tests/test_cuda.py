@@ -2,9 +2,11 @@
 determinism, and more than 2**31 elements; the monitor on CUDA (eager sync / async, and compiled
 under CUDA graphs) naming the incidents the CPU run names; for the C++/CUDA single-tensor kernel (one launch, the
 last block combines, a ticket it resets): 1, 2 and many blocks, back-to-back calls and graph
-replays, concurrent streams; for its summarize_many table cache: hits, values changed in place,
-lists changed or swapped, eviction, no copy on a hit. (Every backend vs reference on CUDA tensors
-runs in test_summarize.py, parametrized over the backends available here.)"""
+replays, concurrent streams, chunks of several 65536-element runs (sums of squares in runs of 256,
+packed zero counts folded per run); summarize_many's borrowed and converted inputs; for its table
+cache: hits, values changed in place, lists changed or swapped, eviction, no copy on a hit. (Every
+backend vs reference on CUDA tensors runs in test_summarize.py, parametrized over the backends
+available here.)"""
 import pytest
 import torch
 
@@ -16,10 +18,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 GPU_BACKENDS = [b for b in ("cuda", "triton") if b in nanscan.available_backends()]
 CUDA_KERNEL = pytest.mark.skipif("cuda" not in nanscan.available_backends(), reason="built without the CUDA kernels")
 # Element counts for the single-tensor kernel (csrc/cuda/summarize.cu: chunks of 4096 elements while
-# there are at most 2048 of them, larger beyond): 1 chunk (one block, no ticket), 1 full chunk, 2 and
-# 4 chunks (a ticket), and 1025 chunks of 8192 -- more than an H200 holds at once (132 SMs x 4
-# blocks), so blocks loop over chunks before the last one combines.
+# there are at most 2048 of them, larger beyond, up to 2**20): 1 chunk (one block, no ticket), 1 full
+# chunk, 2 and 4 chunks (a ticket), and 1025 chunks of 8192 -- more than an H200 holds at once (132
+# SMs x 4 blocks), so blocks loop over chunks before the last one combines.
 BLOCK_SIZES = [1000, 4096, 4097, 3 * 4096 + 5, (1 << 23) + 3]
+# Chunks longer than one run of 65536 elements (a thread's squares are summed in runs of 256, packed
+# lanes folded per run): 1025 chunks of 2**17 (2 runs) and of 2**18 (4 runs).
+RUN = 1 << 16
+MULTI_RUN_SIZES = [(1 << 27) + 4097, (1 << 28) + 24]
 
 
 def planted(n, dtype=torch.float32):
@@ -160,6 +166,110 @@ def test_single_tensor_one_to_many_blocks(dtype, kind):
             what = f"cuda n={n} offset={x.storage_offset()}"
             assert_record_matches(got, reference.summarize(x), x, what)
             assert torch.equal(nanscan.record(x, backend="cuda"), got), what
+
+
+def big_values(n, dtype, kind, seed):
+    """n values drawn on the GPU (special_values' CPU draws would take seconds at 2**27), cast like
+    special_values: randn, or randn with zeros, NaN, +inf and -inf planted at strides that hit
+    many chunks and runs."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    v = torch.randn(n, device="cuda", generator=gen)
+    if kind == "mixed":
+        v[5::7] = 0.0
+        v[70_001::1_000_003] = float("nan")
+        v[123_457::2_000_003] = float("inf")
+        v[999_983::3_000_017] = float("-inf")
+    return cast(v, dtype)
+
+
+@CUDA_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, *FLOAT8, torch.float64,
+                                   torch.int16, torch.int32], ids=str)
+@pytest.mark.parametrize("kind", ["random", "mixed"])
+def test_chunks_of_several_runs(dtype, kind):
+    """Tensors past 2048 x 65536 elements take chunks of several runs: every field against the
+    reference (aligned, and one element off: a scalar head and tail per run), bitwise run to run."""
+    for n in MULTI_RUN_SIZES:
+        base = big_values(n + 1, dtype, kind, stable_seed(str(dtype), kind, n))
+        for x in (base[:n], base[1:]):
+            got = nanscan.record(x, backend="cuda")
+            what = f"cuda n={n} offset={x.storage_offset()}"
+            assert_record_matches(got, reference.summarize(x), x, what)
+            assert torch.equal(nanscan.record(x, backend="cuda"), got), what
+        del base
+        torch.cuda.empty_cache()
+
+
+def runs_witness(n, dtype, nan):
+    """Zeros, one square of 2**24 at element 0, and 1.0 at each element that thread 0 of chunk 0's
+    block takes in runs 1, 2 and 3 (one per 16-byte vector it reads: vectors 0, 256, 512, ... of
+    the run). Summed in runs of 256 squares the ones survive (2**24 + 2k is exact in FP32); summed
+    in one sequence, 2**24 + 1 rounds back to 2**24 each time. With `nan`, a NaN in run 3 makes the
+    chunk take the classifying pass, which must sum the same runs."""
+    x = torch.zeros(n, dtype=dtype, device="cuda")
+    x[0] = 4096.0
+    per_vector = 16 // x.element_size()
+    ones = 0
+    for run in (1, 2, 3):
+        idx = torch.arange(run * RUN, (run + 1) * RUN, per_vector * 256, device="cuda")
+        x[idx] = 1.0
+        ones += idx.numel()
+    if nan:
+        x[3 * RUN + 5] = float("nan")
+    return x, 2.0**24 + ones
+
+
+@CUDA_KERNEL
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("nan", [False, True], ids=["clean", "nan"])
+def test_runs_of_256_squares_and_packed_zero_counts(dtype, nan):
+    """Chunks of 2**18 (4 runs): the sum of squares is formed in runs of 256 squares per thread on
+    both passes (exact here, where one sequential sum would drop every 1.0), and the zero count --
+    about 2**28 zeros, 512 per packed bf16 / fp16 lane and chunk without the per-run fold, which bf16
+    cannot count past 256 -- is exact."""
+    n = (1 << 28) + 24
+    x, sumsq = runs_witness(n, dtype, nan)
+    got = nanscan.record(x, backend="cuda")
+    want = reference.summarize(x)
+    assert_record_matches(got, want, x, f"cuda runs {dtype}")
+    assert got[6].item() == sumsq  # (the reference's own FP32 sum is pairwise: not exact here)
+    assert got[3].item() == n - 1 - (sumsq - 2.0**24) - nan
+    assert got[7].item() == (3 * RUN + 5 if nan else -1)
+
+
+@pytest.mark.slow
+@CUDA_KERNEL
+def test_largest_chunks():
+    """Chunks of 2**20 elements (16 runs; 2**30 + 5 bf16 elements: 1025 chunks), clean and with a
+    NaN in the last run of a chunk far from the start."""
+    n = (1 << 30) + 5
+    x, sumsq = runs_witness(n, torch.bfloat16, nan=False)
+    for nan in (False, True):
+        if nan:
+            x[700 * (1 << 20) + 15 * RUN + 3] = float("nan")
+        got = nanscan.record(x, backend="cuda")
+        assert_record_matches(got, reference.summarize(x), x, f"cuda largest chunks nan={nan}")
+        assert got[6].item() == sumsq and got[3].item() == n - 1 - (sumsq - 2.0**24) - nan
+    del x
+    torch.cuda.empty_cache()
+
+
+@CUDA_KERNEL
+def test_many_group_of_several_run_chunks():
+    """summarize_many chunks a dtype group from its total: fp32 tensors of 2**27 + 2**17 + 1004
+    elements in all take chunks of 2**17 (2 runs), each tensor cut from its own start; the runs
+    witness in the first tensor, a NaN in the second run of a chunk of the second tensor."""
+    witness = torch.zeros((1 << 26) + 3, device="cuda")  # 2 runs per chunk: thread 0's ones in run 1
+    witness[0] = 4096.0
+    witness[RUN:2 * RUN:1024] = 1.0  # 64 of them, one per float32 vector thread 0 reads
+    y = big_values((1 << 26) + (1 << 17) + 1, torch.float32, "random", 7)
+    y[5 * (1 << 17) + RUN + 11] = float("nan")
+    xs = [witness, y, planted(1000), planted(5000, torch.bfloat16), torch.zeros(0, device="cuda")]
+    rows = nanscan.records(xs, backend="cuda")
+    assert_rows_match(rows, xs, "many, several runs")
+    assert rows[0, 6].item() == 2.0**24 + 64
+    assert rows[1, 7].item() == 5 * (1 << 17) + RUN + 11
+    assert torch.equal(nanscan.records(xs, backend="cuda"), rows)
 
 
 @CUDA_KERNEL
@@ -339,6 +449,28 @@ def test_many_lists_alternating_and_evicted():
     torch.cuda.synchronize()
     for i, rows in queued:
         assert torch.equal(rows, first[i]), f"list {i}"
+
+
+@CUDA_KERNEL
+def test_many_borrowed_and_converted_inputs():
+    """summarize_many borrows the tensors it reads as they are and owns only the ones it converts
+    (a complex tensor's real view, a lazily conjugated or negated view, a copy of a walk of > 25
+    dims): every row right, in one list with borrowed contiguous and strided tensors, twice (the
+    second call hits the cached table of the contiguous groups), the inputs left as they were."""
+    gen = torch.Generator().manual_seed(stable_seed("borrowed"))
+    z = torch.randn(3000, dtype=torch.complex64, generator=gen).cuda()
+    z[17] = complex(float("nan"), 1.0)
+    w = planted(4097)
+    deep = torch.randn([2] * 26, device="cuda").permute(*range(25, -1, -1))  # 26 dims that never merge
+    xs = [w, z, z.conj(), torch._neg_view(w), planted(70001, torch.bfloat16), w[::3], deep, z.conj().imag]
+    assert z.conj().is_conj() and torch._neg_view(w).is_neg() and not deep.is_contiguous()
+    before = [x.clone() for x in xs]
+    for call in range(2):
+        rows = nanscan.records(xs, backend="cuda")
+        torch.cuda.synchronize()
+        assert_rows_match(rows, xs, f"call {call}")
+    for x, b in zip(xs, before):
+        assert torch.equal(x.resolve_conj().resolve_neg().nan_to_num(), b.resolve_conj().resolve_neg().nan_to_num())
 
 
 @CUDA_KERNEL

@@ -2,22 +2,33 @@
 //
 // Algorithm: one read of every element (two for a chunk holding a NaN / Inf), no host sync, no
 // float atomics, deterministic.
-//  1. Chunks. A tensor is cut into chunks of `chunk` elements in walk order (a power of two in
-//     [4096, 65536] picked from numel alone, so small tensors still spread over the SMs). One block
-//     of 256 threads reduces one chunk to one Partial (record.h) in a workspace from the caching
-//     allocator. Each thread of the block takes the same elements of the chunk whichever block runs
-//     it, then a fixed shuffle + shared-memory tree merges the 256 thread results.
+//  1. Chunks. A tensor is cut into chunks of `chunk` elements in walk order: the smallest power of
+//     two in [4096, 2**20] that makes at most 2048 chunks, picked from numel alone (pick_chunk; the
+//     same for every dtype, never a function of the GPU), so small tensors still spread over the
+//     SMs and big ones leave the merge at most 2048 partials up to 2**31 elements. One block of 256
+//     threads reduces one chunk to one Partial (record.h) in a workspace from the caching allocator.
+//     Each thread of the block takes the same elements of the chunk whichever block runs it, then a
+//     fixed shuffle + shared-memory tree merges the 256 thread results.
+//     Runs. A chunk is read as runs of 65536 elements (kSegment; a chunk of <= 65536 is one run):
+//     a thread takes 256 elements of a run, sums their squares afresh (the record contract: FP32
+//     sums in blocks of at most 256 squares), and folds its packed lanes (below) into 32-bit counts
+//     at the run's end, so a packed zero count never passes 128 whatever the chunk; the chunk's sum
+//     is the runs' sums added in order. What a thread keeps between runs (that sum, the chunk's end)
+//     waits in shared memory, not in registers the element loops need. Until 2**27 elements every
+//     chunk is one run and every record is bitwise what it was with chunks capped at 65536.
+//     Numbers (fp32 / any dtype, same numel): 1 GiB fp32 (2**28) 2048 chunks of 2**17, was 4096 of
+//     65536; 2**31 elements 2048 of 2**20, was 32768; 1 GiB bf16 (2**29) 2048 of 2**18, was 8192.
 //  2. Assume, then prove (as the CPU kernel's VecState). The first pass over a chunk keeps only the
 //     zero count, min / max and the sum of squares -- no classification, no index --, reading linear
-//     memory with 16-byte loads, 4 in flight per thread (a scalar head / tail covers a pointer that
-//     is not 16-byte aligned and ragged chunk ends). fp16 / bf16 (and float8 e4m3fn / e5m2, converted
+//     memory with 16-byte loads, 4 in flight per thread (a scalar head / tail covers a pointer that is
+//     not 16-byte aligned and ragged chunk ends). fp16 / bf16 (and float8 e4m3fn / e5m2, converted
 //     exactly to fp16 pairs) keep min, max and the zero count two lanes at a time (HMNMX2, HSET2 +
-//     HADD2). A NaN or Inf makes the thread's sum of squares non-finite (squares are >= 0, so it never
-//     comes back), so `__syncthreads_or(!isfinite(ss))` proves the chunk clean; otherwise (or when
-//     the sum of squares overflowed) the chunk is read again by a pass that classifies every element
-//     and takes the minimum LOGICAL index of the non-finite ones. Both passes give a thread the same
-//     elements in the same order (as the one-pass kernel before them did), so whichever pass ran,
-//     the sums are formed the same way.
+//     HADD2; per run, at most 128 per lane: exact). A NaN or Inf makes the thread's sum of squares
+//     non-finite (squares are >= 0, so it never comes back), so `__syncthreads_or(!isfinite(ss))`
+//     proves the chunk clean; otherwise (or when the sum of squares overflowed) the chunk is read
+//     again by a pass that classifies every element and takes the minimum LOGICAL index of the
+//     non-finite ones. Both passes give a thread the same elements in the same order (as the one-pass
+//     kernel before them did), so whichever pass ran, the sums are formed the same way.
 //  3. One launch (summarize). The grid is min(chunks, SMs x resident blocks per SM) (occupancy
 //     query, cached per device and kernel); block b reduces chunks b, b + grid, ... Each chunk's
 //     partial goes to its own slot, so the grid size (and so the GPU model) changes only which block
@@ -25,6 +36,15 @@
 //     partials in CHUNK order with the same fixed tree and writes the float64 [8] row: the record is
 //     a function of the tensor's contents, shape, strides and address alignment (the vector split),
 //     bitwise, never of the GPU model or of the order in which blocks finish.
+//     The merge is not widened: it is one block of the scan kernel (256 threads, each merging
+//     partials t, t + 256, ... two 64-byte loads in flight, then the tree), and with at most 2048
+//     partials (128 KiB, read from L2) that is <= 8 partials per thread for tensors up to 2**31
+//     elements, where 65536-element chunks gave 128 at 2**31. Widening it further would take a
+//     second level of tickets (blocks merging groups of partials) or a second launch, for a step
+//     that is now a few microseconds (estimated, not measured). The price of longer chunks is in
+//     the rare case: a chunk holding a NaN / Inf is read again by its one block alone at the end,
+//     so one NaN in a tensor of 2**31 fp32 elements re-reads 4 MiB, not 256 KiB, in a single block;
+//     the classifying pass therefore keeps two 16-byte loads in flight per thread (was one).
 //     Tickets: a grid of one block needs none. Otherwise, outside stream capture, one ticket per
 //     (device, stream), allocated and zeroed once on that stream, kept for the life of the process:
 //     kernels on one stream run one after another, so a ticket is never used by two kernels at once,
@@ -44,35 +64,46 @@
 // LOGICAL row-major indices of non-finite elements, so it depends on neither the walk nor the
 // reduction order; only the classifying pass computes logical indices, and only for non-finite
 // elements.
-// summarize_many. Contiguous tensors of one dtype run as ONE scan launch, one block per chunk of
-// the group (chunked as a whole: chunk from the group's total numel, each tensor cut from its own
-// start), then one combine launch per dtype that merges each tensor's partials in chunk order. The
-// blocks read a device table, int64 [ptr[n], numel[n], prefix[n+1], row[n]] followed by int32
-// tix[blocks] (block b's tensor: prefix[tix[b]] <= b < prefix[tix[b] + 1]), so a block finds its
-// tensor with one load -- 32 n + 4 chunks bytes. Tables are cached (many_table: up to 16, most
-// recently used kept), keyed IN FULL by device, stream, dtype and each tensor's (data pointer, numel,
-// output row), of which the table is a pure function: calling with the list of the previous step
-// copies nothing to the device; any other list builds its table in pinned memory and copies it
-// non-blocking, as every call did before. Non-contiguous tensors take the single-tensor path into
-// their row. While the stream is being captured into a CUDA graph every tensor takes the
-// single-tensor path, because a graph would re-read a pinned staging buffer that the host allocator
-// recycles after the call, or a cached table that an eager call may evict.
+// summarize_many. The inputs are borrowed (normalized_input, inputs.h): a tensor read as it is
+// costs no handle copy (no reference-count traffic); only a converted one (a complex tensor's real
+// view, a resolved negation) is owned, for the call. Contiguous tensors of one dtype run as ONE
+// scan launch, one block per chunk of the group (chunked as a whole: chunk from the group's total
+// numel, each tensor cut from its own start), then one combine launch per dtype that merges each
+// tensor's partials in chunk order. The blocks read a device table, int64 [ptr[n], numel[n],
+// prefix[n+1], row[n]] followed by int32 tix[blocks] (block b's tensor: prefix[tix[b]] <= b <
+// prefix[tix[b] + 1]), so a block finds its tensor with one load -- 32 n + 4 chunks bytes. Tables
+// are cached (many_table: up to 16, most recently used kept), keyed IN FULL by device, stream,
+// dtype and each tensor's (data pointer, numel, output row), of which the table is a pure function:
+// calling with the list of the previous step copies nothing to the device; any other list builds
+// its table in pinned memory and copies it non-blocking, as every call did before. Non-contiguous
+// tensors take the single-tensor path into their row. While the stream is being captured into a
+// CUDA graph every tensor takes the single-tensor path, because a graph would re-read a pinned
+// staging buffer that the host allocator recycles after the call, or a cached table that an eager
+// call may evict.
 //
 // Measured statically (no GPU has run this yet): sm_90, nvcc 13.0, the build's own nvcc command line
 // (see the setup.py build log) plus `-Xptxas -v`, and `cuobjdump -sass` on the object.
 // Registers, summarize_kernel contiguous / dense (permuted) / strided, __launch_bounds__(256, 4):
-//   bf16 56 / 64 / 64, fp16 56 / 64 / 64, fp32 55 / 64 / 64, fp64 63 / 64 / 64, float8 e4m3fn
-//   58 / 64 / 64, e5m2 62 / 64 / 64, fnuz 56 / 64 / 64, integers 56 - 64; scan_many_kernel bf16 52,
-//   fp32 52; combine_kernel 48. Before (scan_one_kernel, __launch_bounds__(256)): bf16 71 / 73 / 62,
-//   fp16 57 / 59 / 62, fp32 48 / 56 / 62, float8 106 - 112 (contiguous); scan_many_kernel bf16 80.
-//   No spill in any element loop; the dense / strided kernels store a few words per chunk (values
-//   of the chunk loop, arguments of the not-inlined classifying pass).
+//   bf16 56 / 64 / 64, fp16 56 / 64 / 64, fp32 56 / 64 / 64, fp64 61 / 64 / 64, float8 e4m3fn
+//   56 / 64 / 64, e5m2 56 / 64 / 64, fnuz 55 / 64 / 64, integers 56 - 64; scan_many_kernel bf16 52,
+//   fp32 52, fp64 64, integers 47 - 64; combine_kernel 48. With chunks capped at 65536 (no runs):
+//   fp32 55 / 64 / 64, fp64 63 / 64 / 64, e4m3fn 58, e5m2 62 (contiguous), the rest as now but
+//   scan_many_kernel integers 49 - 64. Before that (scan_one_kernel, __launch_bounds__(256)):
+//   bf16 71 / 73 / 62, fp16 57 / 59 / 62, fp32 48 / 56 / 62, float8 106 - 112 (contiguous);
+//   scan_many_kernel bf16 80.
+//   No spill in any element loop of the first pass (SASS: no STL / LDL inside any loop that loads
+//   from global memory); the dense / strided kernels store a few words per chunk and run (values of
+//   the chunk loop, arguments of the not-inlined classifying pass). The classifying pass of strided
+//   walks spills inside its loops, as it did before runs: fp32 24 spill instructions (was 18), fp64
+//   44 / 55 in its two loops (was 36 / 50), fnuz 8 / 14 (was 8 / 8) -- a chunk with a NaN / Inf only.
 // Hot loop (contiguous, a full round of 4 x LDG.128 per thread), SASS instructions per element:
 //   bf16  3.75: FFMA 1, bf16 -> fp32 1 (IMAD.U32 / LOP3), VHMNMX.BF16_V2 0.5 (three-input: min or
 //         max of two pairs at once), HSET2 0.5 + HADD2 / HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
 //   fp16  3.75: the same with HADD2.F32 for the conversions;
 //   float8 e4m3fn / e5m2  4.4: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
 //   fp32  6.5: FFMA 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;  fp64 21.4.
+//   Runs left these loop bodies as they were (same SASS lengths); they add per 256 elements of a
+//   thread a fold of the packed lanes and a few shared-memory accesses.
 //   Before: about 10 for bf16 / fp32 on the all-finite path (issue 12's desk review), which tested
 //   every element for finiteness and converted bf16 / fp16 to fp32 for every min / max.
 #include <torch/library.h>
@@ -109,22 +140,34 @@ constexpr int kBlock = 256;
 constexpr int kWarps = kBlock / 32;
 constexpr int kUnroll = 4;          // loads in flight per thread
 constexpr int kVecBytes = 16;       // one LDG.128 per vector
-constexpr int64_t kMinChunk = 4096, kMaxChunk = 65536, kTargetChunks = 2048;
+// A chunk is walked as runs of kSegment elements: a thread's squares are summed in runs of
+// kSegment / kBlock = 256 (the record contract: FP32 sums in blocks of at most 256 squares), and the
+// packed lanes of a run are folded into 32-bit counts before the next run starts.
+constexpr int64_t kSegment = 65536;
+constexpr int64_t kMinChunk = 4096, kMaxChunk = int64_t{1} << 20, kTargetChunks = 2048;
 constexpr int kMaxDims = 25;        // after coalescing; beyond it we fall back to a contiguous copy
 // 4 resident blocks of 256 threads per SM cap a kernel at 65536 / 1024 = 64 registers per thread.
 constexpr int kMinBlocksPerSM = 4;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// In a chunk, offsets fit int and a thread's counts fit uint32. A thread takes at most
-// chunk / (kVec * kBlock) vectors of a chunk (all powers of two), so a packed lane (two per 32 bits)
-// counts at most kMaxChunk / (2 * kBlock) = 128 zeros: exact in fp16 and bf16 (integers <= 256).
+// Bounds of a chunk (every size a power of two). In-chunk offsets (and vector counts) are int; a
+// thread's zero / NaN / Inf counts are uint32, and so are their block sums (<= kMaxChunk). A thread
+// takes at most kSegment / (kVec * kBlock) vectors of a run, so a packed lane (two per 32 bits, folded
+// at the end of each run) counts at most kSegment / (2 * kBlock) = 128 zeros: exact in bf16 (integers
+// <= 256) and fp16 (<= 2048), whatever the chunk. Integers of <= 16 bits square to <= 2**30 and are
+// summed exactly in int64: a chunk's sum stays <= kMaxChunk * 2**30 = 2**50, exact in fp64.
 static_assert(kMaxChunk <= (int64_t{1} << 30), "in-chunk offsets are int");
-static_assert(kMaxChunk / (2 * kBlock) <= 256, "packed zero counts must stay exact in bf16");
+static_assert(kMaxChunk <= int64_t{UINT32_MAX}, "per-chunk counts are uint32");
+static_assert(kSegment / (2 * kBlock) <= 256, "packed zero counts must stay exact in bf16");
+static_assert(kSegment / kBlock <= 256, "a thread sums at most 256 squares per run");
+static_assert(kSegment % kVecBytes == 0, "runs start on 16-byte vectors (aligned: no head / tail)");
+static_assert(kMinChunk <= kSegment && kMaxChunk % kSegment == 0, "a chunk is one run or whole runs");
+static_assert(kMaxChunk <= (int64_t{1} << 23), "int16 squares: a chunk's sum must be exact in fp64");
 
 // Per dtype: V, the type elements are compared in (exact for every value of the dtype); S, the
 // per-thread sum of squares; A, the sumsq accumulator of the record contract (fp32 for <=32-bit
 // floats, fp64 for fp64 and integers). Integers up to 16 bits square exactly in int32 and a thread
-// sums at most a few hundred of them, so their S is an exact int64 (then converted to fp64 exactly):
+// sums at most kMaxChunk / kBlock = 4096 of them, so their S is an exact int64 (then converted to fp64 exactly):
 // same value as fp64 accumulation, and byte-sized inputs avoid 64-bit compares and fp64 FMAs.
 template <typename T> struct Traits { using V = float; using S = float; using A = float; static constexpr bool kFloat = true; };
 template <> struct Traits<double> { using V = double; using S = double; using A = double; static constexpr bool kFloat = true; };
@@ -313,7 +356,7 @@ __device__ __forceinline__ float high_float(__nv_bfloat162 x) {
 
 // Two lanes per instruction for the first pass: min and max (HMNMX2: exact, subnormals kept, a NaN
 // lane does not matter since such a chunk is classified again), the zero count as packed 1.0s summed
-// in the lanes' own format (HSET2 + HADD2: at most 128 per lane per chunk, exact), and the two squares
+// in the lanes' own format (HSET2 + HADD2: at most 128 per lane per run, exact), and the two squares
 // in FP32 (two FFMA, in element order: the same sum as one element at a time).
 template <typename P> struct Lanes {
   P mn, mx, zeros;
@@ -442,8 +485,10 @@ __device__ __forceinline__ void fast_linear(Fast<T>& f, const T* __restrict__ p,
 }
 
 // Classifying pass over linear memory: the same head / vector / tail split and the same element to
-// thread assignment as fast_linear (one vector in flight: this pass runs only for chunks that hold a
-// NaN / Inf or overflow, and it keeps the kernel's register count down).
+// thread assignment and order as fast_linear. kClassifyUnroll vectors in flight: this pass runs only
+// for chunks that hold a NaN / Inf or overflow, but such a chunk is re-read by its one block alone,
+// at the latency-bound rate of one block (one vector in flight per thread: ~4 KiB per round trip).
+constexpr int kClassifyUnroll = 2;
 template <typename T, class Index>
 __device__ __forceinline__ void classify_linear(Acc<T>& acc, const T* __restrict__ p, int64_t begin,
                                                 int64_t end, const Index& index) {
@@ -452,12 +497,20 @@ __device__ __forceinline__ void classify_linear(Acc<T>& acc, const T* __restrict
   for (int64_t w = begin + threadIdx.x; w < s.vbeg; w += kBlock) acc.add(p[w], w, index);
   const Vec<T>* __restrict__ vp = reinterpret_cast<const Vec<T>*>(p + s.vbeg);
   const int nv = static_cast<int>((s.vend - s.vbeg) / kVec);
-  for (int i = threadIdx.x; i < nv; i += kBlock) {
-    const Vec<T> v = load_vec(vp + i);
+  const auto add = [&](const Vec<T>& v, int i) {
     const int64_t w = s.vbeg + int64_t(i) * kVec;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc.add(v.v[e], w + e, index);
+  };
+  int i = threadIdx.x;
+  for (; i + (kClassifyUnroll - 1) * kBlock < nv; i += kClassifyUnroll * kBlock) {
+    Vec<T> v[kClassifyUnroll];
+#pragma unroll
+    for (int u = 0; u < kClassifyUnroll; ++u) v[u] = load_vec(vp + i + u * kBlock);
+#pragma unroll
+    for (int u = 0; u < kClassifyUnroll; ++u) add(v[u], i + u * kBlock);
   }
+  for (; i < nv; i += kBlock) add(load_vec(vp + i), i);
   for (int64_t w = s.vend + threadIdx.x; w < end; w += kBlock) acc.add(p[w], w, index);
 }
 
@@ -520,22 +573,49 @@ __device__ __forceinline__ void scan_elems(const T* __restrict__ p, int64_t begi
 
 // ------------------------------------------------------------------------------------- a chunk
 
+// What a thread keeps across the runs of a chunk -- the sum of the runs read so far and the chunk's
+// end -- in shared memory while a run is read: a few accesses per run, where values held in
+// registers across the element loops made ptxas spill inside them (fp64, strided). Volatile, so
+// the compiler cannot carry them in registers after all. Slot threadIdx.x: its own thread only.
+template <typename S> struct RunState { S total; int64_t end; };
+template <typename S> __device__ __forceinline__ volatile RunState<S>* run_state() {
+  __shared__ RunState<S> state[kBlock];
+  return state + threadIdx.x;
+}
+
 // Second pass over a chunk whose first pass was not proved clean: classify every element, the
 // minimum logical index of the non-finite ones, *dst from thread 0. Not inlined: its registers
 // (64-bit index arithmetic) stay out of the first pass, and only such chunks pay for the call.
 template <typename T, Mode M>
 __device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
                                             int64_t end, Partial<typename Traits<T>::A>* dst) {
+  using S = typename Traits<T>::S;
   Acc<T> acc;
+  volatile RunState<S>* const run = run_state<S>();
+  run->total = 0;
+  run->end = end;
+  const auto runs = [&](const auto& one) {  // the runs of scan_chunk, summed the same way
+    for (int64_t s = begin; s < run->end;) {
+      const int64_t e = min(s + kSegment, run->end);
+      acc.fin.ss = 0;
+      one(s, e);
+      run->total = run->total + acc.fin.ss;
+      s = e;
+    }
+  };
   if constexpr (M == kContig) {
-    classify_linear(acc, p, begin, end, Identity{});
+    runs([&](int64_t s, int64_t e) { classify_linear(acc, p, s, e, Identity{}); });
   } else if constexpr (M == kDense) {
-    classify_linear(acc, p, begin, end, LogicalIndex{g});
+    runs([&](int64_t s, int64_t e) { classify_linear(acc, p, s, e, LogicalIndex{g}); });
   } else {
     const auto add = [&](T raw, int64_t w) { acc.add(raw, w, LogicalIndex{g}); };
-    if (g->numel <= int64_t(UINT32_MAX)) scan_elems(p, begin, end, MemOffset<uint32_t>{g}, add);
-    else scan_elems(p, begin, end, MemOffset<uint64_t>{g}, add);
+    // (the walk's index width chosen outside the run loop: inside it, fp64 spilled in the element loop)
+    const MemOffset<uint32_t> narrow{g};
+    const MemOffset<uint64_t> wide{g};
+    if (g->numel <= int64_t(UINT32_MAX)) runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, narrow, add); });
+    else runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, wide, add); });
   }
+  acc.fin.ss = run->total;
   const Partial<typename Traits<T>::A> r = block_reduce(acc.partial());
   if (threadIdx.x == 0) *dst = r;
 }
@@ -545,14 +625,34 @@ __device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geome
 template <typename T, Mode M>
 __device__ __forceinline__ void scan_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
                                            int64_t end, Partial<typename Traits<T>::A>* dst) {
+  using S = typename Traits<T>::S;
   Fast<T> f;
+  // Runs of kSegment elements: each starts its sum of squares (and, in fast_linear, its packed
+  // lanes) afresh; the chunk's sum is the runs' sums added in order. A chunk of one run (every chunk
+  // of a tensor of <= 2**27 elements) computes exactly what it did before runs existed (0 + x == x).
+  volatile RunState<S>* const run = run_state<S>();
+  run->total = 0;
+  run->end = end;
+  const auto runs = [&](const auto& one) {
+    for (int64_t s = begin; s < run->end;) {
+      const int64_t e = min(s + kSegment, run->end);
+      f.ss = 0;
+      one(s, e);
+      run->total = run->total + f.ss;  // a NaN / Inf run: non-finite for good (terms are >= 0)
+      s = e;
+    }
+  };
   if constexpr (M == kStrided) {
     const auto add = [&](T raw, int64_t) { f.add(raw); };
-    if (g->numel <= int64_t(UINT32_MAX)) scan_elems(p, begin, end, MemOffset<uint32_t>{g}, add);
-    else scan_elems(p, begin, end, MemOffset<uint64_t>{g}, add);
+    // (the walk's index width chosen outside the run loop: inside it, fp64 spilled in the element loop)
+    const MemOffset<uint32_t> narrow{g};
+    const MemOffset<uint64_t> wide{g};
+    if (g->numel <= int64_t(UINT32_MAX)) runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, narrow, add); });
+    else runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, wide, add); });
   } else {
-    fast_linear(f, p, begin, end);
+    runs([&](int64_t s, int64_t e) { fast_linear(f, p, s, e); });
   }
+  f.ss = run->total;
   if constexpr (Traits<T>::kFloat) {
     if (__syncthreads_or(!f.clean())) {  // block-uniform; rare: a NaN / Inf, or a sum that overflowed
       classify_chunk<T, M>(p, g, begin, end, dst);
@@ -781,13 +881,15 @@ Mode plan(const at::Tensor& t, Geometry& g) {
 }
 
 // Single-tensor path into out_row (8 doubles on the device). Graph capturable.
-void summarize_into(at::Tensor t, double* out_row, const at::TensorOptions& dev) {
+void summarize_into(const at::Tensor& x, double* out_row, const at::TensorOptions& dev) {
   Geometry g;
-  Mode mode = plan(t, g);
+  Mode mode = plan(x, g);
+  c10::MaybeOwned<at::Tensor> read = c10::MaybeOwned<at::Tensor>::borrowed(x);
   if (g.ndim > kMaxDims) {  // > 25 dims that no stride pattern merges: pathological, copy once
-    t = t.contiguous();
-    mode = plan(t, g);
+    read = c10::MaybeOwned<at::Tensor>::owned(x.contiguous());
+    mode = plan(*read, g);
   }
+  const at::Tensor& t = *read;
   const c10::DeviceIndex device = t.device().index();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device);
   dispatch(t.scalar_type(), [&](auto tag) {
@@ -873,17 +975,17 @@ ManyTable many_table(TableKey key, const at::TensorOptions& dev) {
 // One scan launch + one combine launch for contiguous tensors ts[idx] of one dtype, chunking the
 // group as a whole (chunk from the group's total numel).
 template <typename T>
-void summarize_group(const std::vector<at::Tensor>& ts, const std::vector<int64_t>& idx, double* out,
-                     const at::TensorOptions& dev, cudaStream_t stream) {
+void summarize_group(const std::vector<c10::MaybeOwned<at::Tensor>>& ts, const std::vector<int64_t>& idx,
+                     double* out, const at::TensorOptions& dev, cudaStream_t stream) {
   using A = typename Traits<T>::A;
   const int64_t n = static_cast<int64_t>(idx.size());
   TableKey key;
   key.device = dev.device().index();
   C10_CUDA_CHECK(cudaStreamGetId(stream, &key.stream));
-  key.dtype = static_cast<int>(ts[idx[0]].scalar_type());
+  key.dtype = static_cast<int>(ts[idx[0]]->scalar_type());
   key.words.resize(3 * n);
   for (int64_t k = 0; k < n; ++k) {
-    const at::Tensor& t = ts[idx[k]];
+    const at::Tensor& t = *ts[idx[k]];
     key.words[3 * k] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()));
     key.words[3 * k + 1] = t.numel();
     key.words[3 * k + 2] = idx[k];
@@ -902,7 +1004,8 @@ void summarize_group(const std::vector<at::Tensor>& ts, const std::vector<int64_
 }
 
 at::Tensor summarize_cuda(const at::Tensor& x) {
-  const at::Tensor t = normalize_input(x, "nanscan.summarize");
+  const c10::MaybeOwned<at::Tensor> input = normalized_input(x, "nanscan.summarize");
+  const at::Tensor& t = *input;
   const c10::cuda::CUDAGuard guard(t.device());
   const auto dev = at::TensorOptions().device(t.device());
   at::Tensor out = at::empty({kRecordSize}, dev.dtype(at::kDouble));
@@ -915,14 +1018,17 @@ at::Tensor summarize_many_cuda(at::TensorList xs) {
   // No tensor, no device: the empty result lives on the CPU. (The dispatcher does not route an
   // empty list here by itself; this covers direct calls.)
   if (n == 0) return at::empty({0, kRecordSize}, at::TensorOptions().dtype(at::kDouble));
-  std::vector<at::Tensor> ts;
+  // The tensors as the kernels read them: borrowed from xs (which outlives this call) where nothing
+  // was converted -- no reference-count traffic per tensor --, owned where normalization made a new
+  // tensor (a complex tensor's real view, a resolved negation).
+  std::vector<c10::MaybeOwned<at::Tensor>> ts;
   ts.reserve(n);
-  for (const at::Tensor& x : xs) ts.push_back(normalize_input(x, "nanscan.summarize_many"));
-  const at::Device device = ts[0].device();
+  for (const at::Tensor& x : xs) ts.push_back(normalized_input(x, "nanscan.summarize_many"));
+  const at::Device device = ts[0]->device();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(ts[i].is_cuda() && ts[i].device() == device,
+    TORCH_CHECK_VALUE(ts[i]->is_cuda() && ts[i]->device() == device,
                       "nanscan.summarize_many: all tensors must be on one CUDA device, but xs[", i,
-                      "] is on ", ts[i].device(), " and xs[0] is on ", device);
+                      "] is on ", ts[i]->device(), " and xs[0] is on ", device);
   const c10::cuda::CUDAGuard guard(device);
   const auto dev = at::TensorOptions().device(device);
   at::Tensor out = at::empty({n, kRecordSize}, dev.dtype(at::kDouble));
@@ -933,10 +1039,10 @@ at::Tensor summarize_many_cuda(at::TensorList xs) {
 
   std::array<std::vector<int64_t>, static_cast<size_t>(at::ScalarType::NumOptions)> groups;
   for (int64_t i = 0; i < n; ++i) {
-    if (capture == cudaStreamCaptureStatusNone && ts[i].is_contiguous())
-      groups[static_cast<size_t>(ts[i].scalar_type())].push_back(i);
+    if (capture == cudaStreamCaptureStatusNone && ts[i]->is_contiguous())
+      groups[static_cast<size_t>(ts[i]->scalar_type())].push_back(i);
     else
-      summarize_into(ts[i], o + i * kRecordSize, dev);
+      summarize_into(*ts[i], o + i * kRecordSize, dev);
   }
   for (size_t s = 0; s < groups.size(); ++s) {
     if (groups[s].empty()) continue;
