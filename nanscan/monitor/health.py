@@ -6,7 +6,8 @@ monitor reads anyway -- no extra kernel, no extra host sync, nothing inside comp
 in step order, parameters after the update included). At a telemetry step it publishes, through a
 :class:`nanscan.telemetry.Publisher` (so the NaN rule applies: no NaN or Inf is ever sent):
 
-per module output (``<name>`` = the module path; a module called twice in the step: its last call)
+per module output (``<name>`` = the module path; a module called twice in the step: its last call;
+an output changed in place before it was summarized -- its record is of a later value -- is left out)
     ``rms``, ``amax``, ``zero_frac`` -- over the finite elements --, ``headroom_bits`` (log2 of its
     dtype's largest value over ``amax``) and ``nonfinite`` (a count, see below);
 per parameter (``<name>`` = the parameter path), after the step's update, and its gradient
@@ -117,14 +118,14 @@ class Health:
                                   host[j] if j < n else read.values(j), j in bad)
                 i = max(end, i + 1)
             else:
-                if s.step is not None:
+                if s.step is not None and not s.stale:
                     self._row(s.kind, s.phase, s.candidate, s.param, s.name, s.dtype, _numel(s.shape), s.step,
                               host[i] if i < n else read.values(i), i in bad)
                 i += 1
 
     def _eager_row(self, rows: EagerRows, i: int, v, bad: bool) -> None:
-        kind, info, label, step, phase, dtype, shape, _, candidate = rows.rows.row(i)[:9]
-        if kind != OUTPUT and kind != BODY:
+        kind, info, label, step, phase, dtype, shape, _, candidate, _, _, stale = rows.rows.row(i)[:12]
+        if (kind != OUTPUT and kind != BODY) or stale:  # (stale: its record is of a later value)
             return
         module = rows.infos[info]
         self._row("activation", phase, candidate, None, module.name + label if kind == OUTPUT else module.name,
@@ -150,6 +151,8 @@ class Health:
         point = step % self.every == 0
         if not bad and not point:
             return
+        if dtype is not None and dtype.is_complex:  # (its record is of the real view: two numbers each)
+            numel *= 2
         key = (prefix, name)
         names = self._names.get(key)
         if names is None:
