@@ -236,7 +236,8 @@ class HeadroomWatch:
 _MAX_OF: dict = {}  # dtype -> its largest finite value (NaN: not floating)
 
 
-def _max_of(dtype) -> float:
+def max_of(dtype) -> float:
+    """``dtype``'s largest finite value, cached (NaN for a dtype that is not floating)."""
     limit = _MAX_OF.get(dtype)
     if limit is None:
         limit = _MAX_OF[dtype] = dtype_max(dtype) if (dtype.is_floating_point or dtype.is_complex) else math.nan
@@ -273,6 +274,6 @@ def row_maxima(slots: list, n: int) -> torch.Tensor:
             i = max(end, i + 1)
         else:
             if getattr(s, "dtype", None) is not None:
-                maxima[i] = _max_of(s.dtype)
+                maxima[i] = max_of(s.dtype)
             i += 1
     return maxima

@@ -30,31 +30,17 @@ keep a large model's trackers small.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 from nanscan.allow import name_allowed
-from nanscan.headroom import dtype_max
+from nanscan.monitor.headroom import max_of
 from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows, GradBlock
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.telemetry.scalars import PREFIX, scalar_name
 
 __all__ = ["Health"]
 
-_MAX: dict = {}  # dtype -> its largest finite value (None: not floating)
 _NAN, _POSINF, _NEGINF, _ZERO = Field.NAN_COUNT, Field.POSINF_COUNT, Field.NEGINF_COUNT, Field.ZERO_COUNT
 _MIN, _MAX_FIELD, _SUMSQ = Field.FINITE_MIN, Field.FINITE_MAX, Field.SUMSQ
-def _max_of(dtype) -> Optional[float]:
-    limit = _MAX.get(dtype)
-    if limit is None and dtype not in _MAX:
-        limit = _MAX[dtype] = dtype_max(dtype) if (dtype.is_floating_point or dtype.is_complex) else None
-    return limit
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 class Health:
@@ -93,7 +79,7 @@ class Health:
                 slot = read.slot(i)
                 if slot.step is not None:
                     self._row(slot.kind, slot.phase, slot.candidate, slot.param, slot.name, slot.dtype,
-                              _numel(slot.shape), slot.step, read.values(i), True)
+                              math.prod(slot.shape), slot.step, read.values(i), True)
             return
         n = read.eager_count
         host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
@@ -119,7 +105,7 @@ class Health:
                 i = max(end, i + 1)
             else:
                 if s.step is not None and not s.stale:
-                    self._row(s.kind, s.phase, s.candidate, s.param, s.name, s.dtype, _numel(s.shape), s.step,
+                    self._row(s.kind, s.phase, s.candidate, s.param, s.name, s.dtype, math.prod(s.shape), s.step,
                               host[i] if i < n else read.values(i), i in bad)
                 i += 1
 
@@ -129,7 +115,7 @@ class Health:
             return
         module = rows.infos[info]
         self._row("activation", phase, candidate, None, module.name + label if kind == OUTPUT else module.name,
-                  dtype, _numel(shape), step, v, bad)
+                  dtype, math.prod(shape), step, v, bad)
 
     def _row(self, kind, phase, candidate, param, name, dtype, numel, step, v, bad: bool) -> None:
         # (Runs for every row of a telemetry step: ~1,000 rows for a 200-layer model, so it is kept
@@ -186,8 +172,8 @@ class Health:
         points[names[0]] = math.sqrt(sumsq / finite) if finite > 0 else None
         points[names[1]] = amax
         points[names[2]] = v[_ZERO] / numel if numel else None
-        limit = _max_of(dtype)
-        headroom = math.log2(limit / amax) if (limit is not None and amax) else None
+        limit = max_of(dtype)  # (NaN: not floating)
+        headroom = math.log2(limit / amax) if (amax and limit == limit) else None
         points[names[3]] = headroom
         if headroom is not None:
             least = self._least.get(step)

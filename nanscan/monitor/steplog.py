@@ -132,14 +132,20 @@ class StepLog:
         if e is None:  # already written (a late record; incidents are logged on their own)
             return
         e["read"] = True
-        count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
-        if candidate and phase in e["nonfinite"]:
-            e["nonfinite"][phase] += count
+        self._count(e, phase, kind, param, candidate, v)
         if kind == "loss":
             e["loss"] = v[Field.FINITE_MIN] if not is_bad else (
                 math.nan if v[Field.NAN_COUNT] else math.copysign(math.inf, v[Field.POSINF_COUNT] - 0.5))
         elif kind == "grad" and param is not None:
             e["grad_sumsq"] = (e["grad_sumsq"] or 0.0) + v[Field.SUMSQ]
+
+    @staticmethod
+    def _count(e: dict, phase, kind, param, candidate, v) -> None:
+        """A row's non-finite values into its step's counts (and a parameter gradient's kind of break)."""
+        count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
+        if candidate and phase in e["nonfinite"]:
+            e["nonfinite"][phase] += count
+        if kind == "grad" and param is not None:
             e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
 
     def _fold_block(self, block, end: int, bad: set, values) -> None:
@@ -154,12 +160,7 @@ class StepLog:
         start = block.start
         broken = sorted(j for j in bad if start <= j < end)
         for j in broken:  # (counts, and a non-finite gradient's kind; the norm is summed below)
-            v = values(j)
-            count = int(v[Field.NAN_COUNT] + v[Field.POSINF_COUNT] + v[Field.NEGINF_COUNT])
-            if block.phase in e["nonfinite"]:
-                e["nonfinite"][block.phase] += count
-            if block.kind == "grad" and block.param is not None:
-                e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
+            self._count(e, block.phase, block.kind, block.param, True, values(j))
         if block.kind == "grad" and block.param is not None:  # every row, in order
             total, sumsq = e["grad_sumsq"] or 0.0, Field.SUMSQ
             for j in range(start, end):
