@@ -11,7 +11,8 @@ import torch
 
 from nanscan.capture.bundle import Bundle, load_bundle
 from nanscan.capture.compare import Comparison, compare
-from nanscan.capture.replay import _autocast, _float_tensors, prepare, run_step
+from nanscan.capture.provenance import float_tensors
+from nanscan.capture.replay import _autocast, prepare, run_step
 from nanscan.record import TensorSummary
 from nanscan.summary import summarize
 
@@ -107,7 +108,7 @@ def bisect_backends(bundle, model: torch.nn.Module, forward: Optional[Callable] 
             _, batch, device = prepare(b, model)
             with torch.no_grad(), _autocast(b.manifest, device, None):
                 out = run_step(model, batch, forward, None if backend == "eager" else backend)
-            tensors = [t.detach() for t in _float_tensors(out)]
+            tensors = [t.detach() for t in float_tensors(out)]
             if not tensors:
                 raise TypeError(f"forward returned no floating tensor ({type(out).__name__})")
             summaries = [summarize(t) for t in tensors]
