@@ -206,3 +206,43 @@ def test_allowed_names_are_not_incidents_and_incidents_stay_in_training_order():
     assert [i.step for i in findings.incidents] == [2, 3]
     first = findings.incidents[0]
     assert (first.name, first.summary.posinf_count, first.summary.first_nonfinite_index) == ("embed", 1, 0)
+
+
+class _NoBundle:
+    """Stands in for StepCapture where no bundle is kept (capture_dir None)."""
+    bundle_path = None
+    bundle_step = None
+
+
+def _outcomes(**options):
+    from nanscan.monitor.ledger import Ledger
+    from nanscan.monitor.outcomes import Outcomes
+
+    written = []
+    outcomes = Outcomes(WatchConfig(**options), Ledger(), Findings(allow=(), rank=0), steplog=None,
+                        headroom=None, capturer=_NoBundle(), write_bundle=written.append)
+    return outcomes, written
+
+
+def test_outcomes_raise_warn_or_record_a_reported_incident_as_configured():
+    outcomes, written = _outcomes()
+    with pytest.raises(nanscan.NonFiniteError, match="mlp"):
+        outcomes.decide(_landed([_record(), _record(nan=2), _record(nan=4)], _slots(step=5)), raise_incident=True)
+    assert outcomes.raised and written == []  # no capture_dir: no bundle
+    outcomes, _ = _outcomes(on_nonfinite="warn")
+    with pytest.warns(RuntimeWarning, match="mlp"):
+        outcomes.decide(_landed([_record(), _record(nan=2), _record()], _slots(step=5)), raise_incident=True)
+    assert not outcomes.raised and [i.name for i in outcomes.findings.incidents] == ["mlp"]
+    outcomes, _ = _outcomes()
+    outcomes.decide(_landed([_record(), _record(nan=2), _record()], _slots(step=5)), raise_incident=None)
+    assert not outcomes.raised and len(outcomes.findings.incidents) == 1  # None: recorded, silently
+
+
+def test_outcomes_take_the_scalars_read_with_the_records():
+    outcomes, _ = _outcomes()
+    read = _landed([_record(), _record(), _record()], _slots(step=4))
+    read.extras.update(scale=1024.0, found_inf=1.0)
+    outcomes.decide(read, raise_incident=True)
+    assert outcomes.ledger.scale_history == [(4, 1024.0)]
+    assert read.handled  # a fused-AMP kernel found an Inf: it skipped the update
+    assert outcomes.fused_applied == {4: False}  # the step has not ended: its post-hook takes the answer

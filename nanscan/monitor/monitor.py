@@ -1,23 +1,18 @@
-"""The always-on monitor: ``nanscan.watch(model, optimizer)`` -> :class:`Monitor`.
+"""The always-on monitor: ``nanscan.watch(model, optimizer)`` -> :class:`Monitor`, which composes
+the parts (diagram: ``docs/layout.md#the-monitor``; semantics: ``docs/monitor.md``):
 
-One call turns it on; the training loop needs no change. This module holds the step lifecycle
-and the read; the pieces live beside it, one concept each:
+* triggers -- module hooks (:mod:`~nanscan.monitor.eager`, :mod:`~nanscan.monitor.traced` inside
+  ``torch.compile`` graphs), optimizer hooks, the GradScaler / closure wrappers
+  (:mod:`~nanscan.monitor.triggers`) -- tell :class:`~nanscan.monitor.state.StepState` what happened;
+* :class:`~nanscan.monitor.reading.Reading` gathers the step's records into one device-to-host copy,
+  which lands as a :class:`~nanscan.monitor.read.Read`;
+* :class:`~nanscan.monitor.outcomes.Outcomes` gives that read to every consumer and applies the
+  policy (raise, warn, record; the bundle).
 
-* :mod:`~nanscan.monitor.eager` -- the hooks that record module inputs / outputs and their
-  gradients outside compiled graphs;
-* :mod:`~nanscan.monitor.traced` -- the same inside ``torch.compile`` graphs (static rows of a
-  device buffer, stamped with a device counter);
-* :mod:`~nanscan.monitor.slots` -- the records of one read window, in production order;
-* :mod:`~nanscan.monitor.readback` -- the step's one device-to-host copy;
-* :mod:`~nanscan.monitor.attribution` -- the first non-finite value and produced / propagated;
-* :mod:`~nanscan.monitor.ledger`, :mod:`~nanscan.monitor.steplog`,
-  :mod:`~nanscan.monitor.stepcapture`, :mod:`~nanscan.monitor.distributed`.
-
-Steps. A step is one optimizer step: it ends in the optimizer's step post-hook, or when
-GradScaler skipped the update (its ``step`` is wrapped), however many forward / backward passes
-it took (gradient accumulation). Without an optimizer, a step ends at the first training forward
-after a backward, and at :meth:`Monitor.close`. ``with mon.step(batch):`` still works as an
-explicit delimiter.
+A step is one optimizer step (its post-hook, or GradScaler's skip), however many forward / backward
+passes it took; without an optimizer a step ends at the first training forward after a backward;
+``with mon.step(batch):`` is an explicit delimiter (Note [explicit steps]). A checked step is read
+once, before the update in sync mode, one read later in async mode.
 
 Note [training forwards]: a *training* forward is one with grad enabled (outside ``no_grad`` and
 ``inference_mode``), whatever the modules' ``training`` flag: fine-tuning in ``model.eval()``
@@ -27,14 +22,6 @@ end, and never raise unless ``eval_forwards="raise"``. A validation pass in ``mo
 leaves grad enabled cannot be told from fine-tuning in eval mode: it is checked as a training
 forward of the step it runs in (HF Trainer and Lightning validate under ``no_grad`` /
 ``inference_mode``); the failure bundle keeps the step's first train-mode batch where there is one.
-
-Reads. Records stay on the device. A checked step is read once, with one copy: in sync mode in
-the optimizer's step pre-hook (a non-finite step is stopped before the update), or when the step
-ends without an update; parameters and buffers recorded after the update (step post-hook) are
-read with the next step's copy. In async mode the copy is non-blocking and decoded one read
-later: no host sync at all on CUDA. ``optimizer.step(closure)`` (Lightning's automatic
-optimization, LBFGS) runs the forward and backward inside the step: the read then happens when the
-closure returns, still before the update.
 """
 from __future__ import annotations
 
@@ -47,35 +34,29 @@ import torch
 
 from nanscan import _ops
 from nanscan.guard import attach_note
-from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.autocast_probe import AutocastProbe, autocast_enabled
+from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
+from nanscan.monitor.findings import Findings
 from nanscan.monitor.headroom import HeadroomWatch
 from nanscan.monitor.health import Health
 from nanscan.monitor.incident import Incident, NonFiniteError
-from nanscan.telemetry import Publisher
 from nanscan.monitor.ledger import Ledger
+from nanscan.monitor.outcomes import Outcomes
+from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
 from nanscan.monitor.slots import Block, Slot
 from nanscan.monitor.state import StepState
-from nanscan.monitor.read import Read
-from nanscan.monitor.findings import Findings
 from nanscan.monitor.stepcapture import StepCapture
-from nanscan.monitor.tensors import ModelTensors
 from nanscan.monitor.steplog import StepLog
+from nanscan.monitor.tensors import ModelTensors
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function
 from nanscan.monitor.traced import TracedRows
 from nanscan.monitor.triggers import wrap_closure, wrap_scaler
+from nanscan.telemetry import Publisher
 from nanscan.warn import warn
-
-
-
-
-
-# (Note [one incident per step and phase] and Note [eager frames beside compiled ones] are in
-# nanscan/monitor/findings.py, where they are applied.)
 
 
 class Monitor:
@@ -102,11 +83,14 @@ class Monitor:
                   if config.telemetry is not None else None)
         self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health)
                                            if config.log is not None or health is not None else None)
-        self.headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)
-                         if config.headroom_bits is not None else None)
+        headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)
+                    if config.headroom_bits is not None else None)
         self._autocast_probe = AutocastProbe()
         self._capturer = StepCapture(model, optimizer, scaler, config.capture_dir, config.keep_pre_update_state,
                                      self.rank, config.mode)
+        # What a landed read leads to (ledger, findings, step log, headroom, telemetry, the policy).
+        self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, headroom, self._capturer,
+                                 write_bundle=self.capture)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         # (Note [modules changed after watch])
         self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}
@@ -125,11 +109,9 @@ class Monitor:
         self.traced = TracedRows(self, infos, self.tensors.kernels_for)
         # Where the step is: its only writer (the triggers below tell it what happened).
         self.state = StepState(config.every, on_recording=self.traced.set_recording)
-        self._fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale / backward record it once)
         self._scaled_ref = None  # the last scaler.scale(loss) result
         self._higher_order_step = None  # the step a gradient was taken with create_graph=True in
-        self._raised = False  # a NonFiniteError was raised (close() then records, never raises)
         self.opened_by_callback = False  # (an integration's callback opened it: see integrations.transformers)
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
@@ -278,7 +260,7 @@ class Monitor:
         if state.closed:
             return
         fused = self._fused_amp_found_inf(optimizer) is not None
-        state.update_applied(self._fused_applied.pop(state.index, None) if fused else True)
+        state.update_applied(self.outcomes.fused_applied.pop(state.index, None) if fused else True)
         if state.checking:
             self.tensors.record_update(self.slots, state.index, optimizer, optimizer_state=self.config.optimizer_state,
                                        params=self.params)
@@ -430,6 +412,16 @@ class Monitor:
         return self._failed_step if self._failed_step is not None else self.state.index
 
     @property
+    def headroom(self) -> Optional[HeadroomWatch]:
+        """The headroom watch (None when off, or turned off by its own failure)."""
+        return self.outcomes.headroom
+
+    @property
+    def headroom_events(self) -> list:
+        """The headroom warnings given so far (:class:`~nanscan.monitor.headroom.HeadroomEvent`)."""
+        return self.headroom.events if self.headroom is not None else []
+
+    @property
     def bundle_path(self) -> Optional[str]:
         """The bundle written at the first reported incident (or by :func:`nanscan.guard`), or None."""
         return self._capturer.bundle_path
@@ -467,7 +459,7 @@ class Monitor:
         # After an incident was raised, what close still finds (async mode's late read of that step,
         # values that followed from it) is recorded, never raised: a second NonFiniteError from a
         # `finally: mon.close()` would replace the first.
-        raise_incident = None if self._raised else True
+        raise_incident = None if self.outcomes.raised else True
         try:
             if state.awaiting_update:  # an explicit step whose optimizer step never came
                 self._end_step(raise_incident=raise_incident)
@@ -534,101 +526,13 @@ class Monitor:
         self._decode(copy, raise_incident=self.config.eval_forwards == "raise")
 
     def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:
-        """Decode a landed read: ledger scalars, incidents (raised, warned or only recorded:
-        ``raise_incident`` False warns, None records silently), the step log, headroom, the
-        agreement across ranks, the bundle -- each given the :class:`Read`."""
+        """A landed read, checked for hooks that never ran, then given to :class:`Outcomes`
+        (``raise_incident`` False warns, None records silently)."""
         read = Read.land(copy, self.traced, link_compiled_weights=self.compiled_grads or self.traced.grad_hooks)
-        self._take_extras(read)
         if read.training:
             self._check_hooks_ran(read)
             self.tensors.note_read(read)
-        found = self.findings.judge(read)
-        if self.steplog is not None:
-            self.steplog.observe(read)
-        if self.headroom is not None and read.training:
-            self._check_headroom(read)
-        if read.training and self.steplog is not None and self.steplog.health is not None:
-            self._observe_health(read)
-        found, report = self.findings.agree(read, found)
-        self.findings.add(found)
-        if report is None:
-            self._log_incidents(found)
-            return
-        self._act_on(read, report, found, raise_incident)
-
-    def _take_extras(self, read: Read) -> None:
-        """The scalars read with the records: the clip norm and loss scale (step log, ledger), and a
-        fused-AMP optimizer's ``found_inf`` (the update was skipped: AMP handled the step)."""
-        step = read.step
-        for what, value in read.extras.items():
-            if what == "clip_norm":
-                if self.steplog is not None:
-                    self.steplog.clip_norm(step, value)
-            elif what == "scale":
-                self.ledger.scale_history.append((step, value))
-                if self.steplog is not None:
-                    self.steplog.scale(step, value)
-            elif what == "found_inf":
-                applied = value == 0
-                read.handled = read.handled or not applied  # the fused kernel skipped the update
-                if self.ledger.decide(step, applied):  # async: the step already ended
-                    if self.steplog is not None:
-                        self.steplog.decided(step, "applied" if applied else "skipped")
-                else:
-                    self._fused_applied[step] = applied
-
-    def _act_on(self, read: Read, report, found: list, raise_incident: Optional[bool]) -> None:
-        """The policy for a reported incident: the bundle (once), the log, then raise, warn or only
-        record (``on_nonfinite``; ``raise_incident`` False warns, None records)."""
-        capture_error = None
-        try:
-            if self.capture_dir is not None and self.bundle_path is None and report.phase != "eval":
-                self.capture(report)
-        except Exception as e:  # the incident stays the primary finding; the capture failure is attached
-            capture_error = e
-            warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=4)
-        self._log_incidents(found)
-        if self.config.on_nonfinite == "record" or raise_incident is None:  # None: an earlier incident is raised
-            return
-        if self.config.on_nonfinite == "warn" or not raise_incident:
-            warn(str(report) + self.findings.also(read, report), RuntimeWarning, stacklevel=4)
-            return
-        error = NonFiniteError(report)
-        self._raised = True
-        error.bundle_path = self.bundle_path
-        if self.bundle_path:
-            attach_note(error, f"nanscan wrote the failure bundle: {self.bundle_path}")
-        if capture_error is not None:
-            attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
-        raise error
-
-    @property
-    def headroom_events(self) -> list:
-        """The headroom warnings given so far (:class:`~nanscan.monitor.headroom.HeadroomEvent`)."""
-        return self.headroom.events if self.headroom is not None else []
-
-    def _check_headroom(self, read: Read) -> None:
-        """Headroom of a landed read's rows (:meth:`HeadroomWatch.check`). A failure here is
-        nanscan's own: warned once, the check turned off, training goes on."""
-        try:
-            self.headroom.check(read, self.steplog)
-        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
-            self.headroom = None
-            warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
-
-    def _observe_health(self, read: Read) -> None:
-        """Telemetry's look at a read (:mod:`nanscan.monitor.health`); a failure is nanscan's own:
-        warned once, telemetry turned off, training goes on."""
-        try:
-            self.steplog.health.observe(read)
-        except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.steplog.health = None
-            warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
-
-    def _log_incidents(self, incidents) -> None:
-        if self.steplog is not None:
-            for inc in incidents:
-                self.steplog.incident(inc, self.bundle_path if inc.step == self._capturer.bundle_step else None)
+        self.outcomes.decide(read, raise_incident)
 
     def _check_hooks_ran(self, read: Read) -> None:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:
