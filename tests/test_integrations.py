@@ -31,13 +31,13 @@ class PlantInfWeight(transformers.TrainerCallback):
                 model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("inf")
 
 
-def trainer(tmp_path, callbacks):
+def trainer(tmp_path, callbacks, **arguments):
     from tests.test_real_models import gpt2
 
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
-        report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True, use_cpu=True,
-        dataloader_num_workers=0, seed=0)
+    options = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, learning_rate=1e-3,
+                   report_to=[], save_strategy="no", logging_steps=100, disable_tqdm=True, use_cpu=True,
+                   dataloader_num_workers=0, seed=0)
+    args = transformers.TrainingArguments(**{**options, **arguments})
     return transformers.Trainer(model=gpt2(), args=args, train_dataset=Batches(), callbacks=callbacks)
 
 
@@ -106,3 +106,35 @@ def test_hf_trainer_callback_after_a_nonfinite_error_a_new_run_on_the_model_is_w
     with pytest.raises(ValueError, match="already watched"):
         NanscanCallback().on_train_begin(args, None, None, model=model)  # a user's monitor is left alone
     user.close()
+
+
+def test_hf_trainer_telemetry_reaches_report_to_at_the_trainers_steps(tmp_path, monkeypatch):
+    # telemetry="trainer": every report_to integration gets the points in its on_log, at the global
+    # step of the step they describe -- the same step the Trainer logs that step's loss at.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nanscan.integrations.transformers import NanscanCallback
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    callback = NanscanCallback(telemetry="trainer", telemetry_every=1)
+    run = trainer(tmp_path, [callback], report_to=["tensorboard"], logging_steps=1)
+    run.train()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/nanscan/loss", "train/nanscan/rms/transformer.h.0.mlp.c_fc",
+            "train/nanscan/grad_norm/transformer.h.0.mlp.c_fc.weight"} <= tags, sorted(tags)[:20]
+    ours = {e.step: e.value for e in acc.Scalars("train/nanscan/loss")}
+    theirs = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert sorted(ours) == [1, 2, 3] == sorted(theirs)
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-5)
+    assert all(not any(k.startswith("nanscan/") for k in entry) for entry in run.state.log_history)
+
+
+def test_hf_trainer_telemetry_without_a_reporting_integration_refuses_to_start(tmp_path):
+    from nanscan.integrations.transformers import NanscanCallback
+
+    with pytest.raises(ValueError, match="report_to"):
+        trainer(tmp_path, [NanscanCallback(telemetry="trainer")]).train()

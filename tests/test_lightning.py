@@ -180,3 +180,37 @@ def test_capture_keeps_the_inputs_of_the_submodule_training_step_calls_and_repla
     assert x.shape == (4, 8)
     result = nanscan.replay(path, Tiny())  # (Tiny has no forward: replay must call net, as the step did)
     assert result.reproduced and result.nonfinite_before == ["net.2.weight"]  # the planted +inf, before the step
+
+
+class LogsLoss(Tiny):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def test_telemetry_reaches_the_trainers_loggers_at_the_steps_lightning_logs(tmp_path):
+    import csv
+
+    from nanscan.integrations.lightning import NanscanCallback
+
+    csv_logger = pl.loggers.CSVLogger(str(tmp_path), name="run", version=0)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=csv_logger, log_every_n_steps=1,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[NanscanCallback(telemetry="trainer", telemetry_every=1)])
+    trainer.fit(LogsLoss(), loader())
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    ours = {int(r["step"]): float(r["nanscan/loss"]) for r in rows if r.get("nanscan/loss")}
+    theirs = {int(r["step"]): float(r["train_loss"]) for r in rows if r.get("train_loss")}
+    assert sorted(ours) == [0, 1, 2, 3] == sorted(theirs)
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-6)
+    assert any(r.get("nanscan/rms/net.2") for r in rows) and any(r.get("nanscan/grad_norm/net.2.weight") for r in rows)
+
+
+def test_telemetry_through_a_trainer_without_a_logger_refuses_to_start():
+    from nanscan.integrations.lightning import NanscanCallback
+
+    with pytest.raises(ValueError, match="needs a logger"):
+        fit([NanscanCallback(telemetry="trainer")])

@@ -22,6 +22,12 @@ Choices (where Lightning leaves room):
   choose another.
 * Validation and sanity-check forwards run in eval mode under ``no_grad``: they are checked as
   phase ``"eval"`` and warned about, never raised (``eval_forwards=`` changes that).
+* ``NanscanCallback(telemetry="trainer")`` sends the monitor's telemetry (docs/telemetry.md) to every
+  logger of the Trainer (``trainer.loggers``: TensorBoard, W&B, MLflow, CSV, ...) with
+  ``logger.log_metrics(points, step)``, ``step`` the one Lightning logs that batch's ``self.log``
+  values at; ``telemetry`` may also list nanscan sinks beside ``"trainer"``. Not through
+  ``pl_module.log_dict``: the points are published when a step ends (in the optimizer's hooks), where
+  Lightning does not allow ``log``. A Trainer without a logger refuses to start (nowhere to send them).
 * Not with a model compiled before fitting starts (``torch.compile(model)`` handed to the Trainer):
   hooks added to a compiled model never run, and ``watch`` refuses it.
 """
@@ -33,6 +39,7 @@ from typing import Optional
 import lightning.pytorch as pl
 
 import nanscan
+from nanscan.telemetry.sinks import Sink
 
 
 class NanscanCallback(pl.Callback):
@@ -55,7 +62,13 @@ class NanscanCallback(pl.Callback):
             optimizer = optimizers[self.optimizer_index]
             optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer wrapper
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.monitor = nanscan.watch(pl_module, optimizer, scaler, **self.watch_options)
+        options = dict(self.watch_options)
+        telemetry = options.get("telemetry")
+        if telemetry == "trainer" or (isinstance(telemetry, (list, tuple)) and "trainer" in telemetry):
+            loggers = TrainerLoggers(trainer)
+            options["telemetry"] = (loggers if telemetry == "trainer"
+                                    else [loggers if s == "trainer" else s for s in telemetry])
+        self.monitor = nanscan.watch(pl_module, optimizer, scaler, **options)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         if self.monitor is not None:
@@ -78,3 +91,23 @@ class NanscanCallback(pl.Callback):
             monitor, self.monitor = self.monitor, None
             self.last_monitor = monitor
             monitor.close()
+
+
+class TrainerLoggers(Sink):
+    """Telemetry through a Lightning Trainer's loggers, at the step Lightning logs the batch's
+    ``self.log`` values at (its global step when the monitor's step 0 begins, plus the step)."""
+
+    def __init__(self, trainer):
+        if not trainer.loggers:
+            raise ValueError("nanscan: NanscanCallback(telemetry='trainer') needs a logger, and this Trainer has none "
+                             "(logger=False); give it one (e.g. TensorBoardLogger, CSVLogger) or pass nanscan sinks "
+                             "(nanscan.telemetry)")
+        self.trainer = trainer
+        self.first_step = trainer.global_step
+
+    def write(self, step: int, points: dict) -> None:
+        for logger in self.trainer.loggers:
+            logger.log_metrics(dict(points), step=self.first_step + step)
+
+    def __repr__(self) -> str:
+        return f"TrainerLoggers({[type(lg).__name__ for lg in self.trainer.loggers]})"

@@ -28,6 +28,9 @@ def describe(sink: Any) -> str:
 
 
 def _hint(obj: Any) -> str:
+    if obj == "trainer":
+        return (" telemetry='trainer' is an option of the HF Trainer and Lightning callbacks "
+                "(nanscan.integrations), which route points through the trainer's loggers.")
     if isinstance(obj, (str, os.PathLike)):
         return (" A path is not a sink: JSONL(path) appends to an event log, "
                 "TensorBoard(path) writes an event directory.")
