@@ -5,6 +5,8 @@ nanscan.kernels.triton is first imported, hence here.
 """
 import os
 
+import pytest
+
 import torch
 
 if not torch.cuda.is_available():
@@ -16,3 +18,35 @@ from nanscan import _ops  # noqa: E402  (after TRITON_INTERPRET is set)
 
 if _ops.LOAD_ERROR is not None and os.environ.get("NANSCAN_ALLOW_MISSING_LIBRARY") != "1":
     raise RuntimeError(f"nanscan tests need the compiled library: {_ops.LOAD_ERROR}")
+
+
+# Real trackers, kept under tmp_path (test_telemetry_sinks.py, test_telemetry_monitor.py).
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """An offline W&B with every file under tmp_path (nothing in ~, no network)."""
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; the Makefile installs it)")
+    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                       "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                       "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"), "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
+                       "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}.items():
+        monkeypatch.setenv(var, value)
+    (tmp_path / "wandb").mkdir()
+    yield wandb
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """MLflow's default local store as of MLflow 3 (SQLite; the ./mlruns file store is in maintenance
+    mode and refused by default), under tmp_path; the tracking URI only through the environment, so
+    no global MLflow state outlives the test."""
+    mlflow = pytest.importorskip("mlflow",
+                                 reason="mlflow is not installed (pip install mlflow; the Makefile installs it)")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # (MLflow's usage pings: no network here, none wanted)
+    yield mlflow, uri
+    while mlflow.active_run() is not None:
+        mlflow.end_run()

@@ -168,3 +168,33 @@ def test_telemetry_is_refused_where_its_numbers_would_be_one_rank_s_own(monkeypa
         nanscan.watch(model, telemetry=lambda s, p: None)
     monkeypatch.undo()
     nanscan.watch(model, telemetry=lambda s, p: None).close()  # (nothing was left behind)
+
+
+def test_wandb_offline_run_holds_the_monitors_points(wandb_offline, tmp_path):
+    from nanscan.telemetry import WandB
+    from tests.test_telemetry_sinks import read_wandb_history
+
+    model = _model()
+    model[2].at = {1}  # a NaN in step 1, between points: counted at the next point
+    run = wandb_offline.init(project="nanscan-test", dir=str(tmp_path / "wandb"), mode="offline")
+    points, outputs, _ = _train(model, 4, telemetry=WandB(run), telemetry_every=2)
+    run.finish()
+    rows = [r for r in read_wandb_history(tmp_path / "wandb") if "nanscan/loss" in r]
+    assert len(rows) == 2
+    assert rows[1]["nanscan/nonfinite/2"] == 1 and "nanscan/nonfinite/2" not in rows[0]
+    assert rows[1]["nanscan/rms/0"] == pytest.approx(outputs[2].pow(2).mean().sqrt().item(), rel=1e-6)
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+
+
+def test_mlflow_store_holds_the_monitors_points(mlflow_store):
+    from nanscan.telemetry import MLflow
+    from tests.test_telemetry_sinks import read_mlflow
+
+    mlflow, uri = mlflow_store
+    model = _model()
+    with mlflow.start_run() as run:
+        _, outputs, _ = _train(model, 4, telemetry=MLflow(), telemetry_every=2)
+    got = read_mlflow(mlflow.MlflowClient(uri), run.info.run_id)
+    assert sorted(got["nanscan/rms/0"]) == [0, 2]
+    assert got["nanscan/rms/0"][2] == pytest.approx(outputs[2].pow(2).mean().sqrt().item(), rel=1e-6)
+    assert {"nanscan/param_norm/0.weight", "nanscan/grad_norm/4.weight", "nanscan/loss"} <= set(got)

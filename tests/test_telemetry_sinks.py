@@ -355,21 +355,6 @@ def test_jsonl_on_a_callers_event_log_shares_it_and_leaves_it_open(tmp_path):
 
 # --- W&B --------------------------------------------------------------------------------------
 
-@pytest.fixture
-def wandb_offline(tmp_path, monkeypatch):
-    """An offline W&B with every file under tmp_path (nothing in ~, no network)."""
-    wandb = pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb; the Makefile installs it)")
-    for var, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-                       "WANDB_DIR": str(tmp_path / "wandb"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
-                       "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"), "WANDB_DATA_DIR": str(tmp_path / "wandb-data"),
-                       "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true"}.items():
-        monkeypatch.setenv(var, value)
-    (tmp_path / "wandb").mkdir()
-    yield wandb
-    if wandb.run is not None:
-        wandb.run.finish()
-
-
 def _wandb_records(path) -> list:
     """The ``wandb_internal_pb2.Record`` messages of a ``.wandb`` file: W&B's record log (7-byte header
     ``:W&B`` + magic + version, then 32 KiB blocks of records, each with a 7-byte header: crc32,
@@ -454,22 +439,6 @@ def test_wandb_without_a_run_names_wandb_init(wandb_offline):
 
 
 # --- MLflow -----------------------------------------------------------------------------------
-
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    """MLflow's default local store as of MLflow 3 (SQLite; the ./mlruns file store is in maintenance
-    mode and refused by default), under tmp_path; the tracking URI only through the environment, so
-    no global MLflow state outlives the test."""
-    mlflow = pytest.importorskip("mlflow",
-                                 reason="mlflow is not installed (pip install mlflow; the Makefile installs it)")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # (MLflow's usage pings: no network here, none wanted)
-    yield mlflow, uri
-    while mlflow.active_run() is not None:
-        mlflow.end_run()
-
 
 def read_mlflow(client, run_id) -> dict:
     got = {}
