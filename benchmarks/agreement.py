@@ -2,7 +2,10 @@
 learns which incident (if any) all ranks report -- ``nanscan.monitor.distributed.agree``: one
 ``all_reduce(MIN)`` of one int64, plus one broadcast of the incident only when there is one.
 Baseline: the all_gather of a 3-float row per rank it replaced (bytes per rank grow with the world
-size). gloo on this machine's CPU cores, file rendezvous; median microseconds per call.
+size). Also the telemetry step's gather under torch.distributed (``nanscan.monitor.health``): every
+rank's numbers of a 200-module model (200 outputs, 200 parameters and 200 gradients) gathered to
+rank 0 and combined there -- paid once per telemetry step, not per checked step. gloo on this
+machine's CPU cores, file rendezvous; median microseconds per call.
 
     python -m benchmarks.agreement [--worlds 2 4 8] [--calls 200]
 """
@@ -45,11 +48,26 @@ def _worker(rank, world, out_dir, calls):
             out.append(time.perf_counter() - t0)
         return statistics.median(out) * 1e6
 
+    from nanscan.monitor.health import _points
+    from nanscan.monitor.health_ranks import combine
+
+    raw = {(f"nanscan/rms/blocks.{i}",) * 5: (4096, 4096, 1.0 + i, 3, 2.0, 65504.0) for i in range(200)}
+    raw.update({(f"nanscan/{kind}_norm/blocks.{i}.weight",) * 3: (4096, 1.0, 0.5, "plain")
+                for i in range(200) for kind in ("param", "grad")})
+    payload = {"raw": raw, "counts": {}, "clipped": False, "grad_contrib": 1.0,
+               "step": {"loss": 1.0, "grad_norm": 2.0, "loss_scale": None, "updates_skipped": 0, "nonfinite": 0}}
+
+    def telemetry_gather():
+        gathered = distributed.gather_to(payload, 0)
+        if gathered is not None:
+            _points(*combine(gathered, publisher=0, sharded=False))
+
     result = {
         "agree, no incident": timed(lambda: distributed.agree(None), calls),
         "agree, incident on the last rank": timed(
             lambda: distributed.agree(incident if rank == world - 1 else None), max(calls // 10, 5)),
         "all_gather baseline (old agree)": timed(_all_gather_baseline, calls),
+        "telemetry gather, 200 modules": timed(telemetry_gather, max(calls // 10, 5)),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

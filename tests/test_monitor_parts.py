@@ -246,3 +246,52 @@ def test_outcomes_take_the_scalars_read_with_the_records():
     assert outcomes.ledger.scale_history == [(4, 1024.0)]
     assert read.handled  # a fused-AMP kernel found an Inf: it skipped the update
     assert outcomes.fused_applied == {4: False}  # the step has not ended: its post-hook takes the answer
+
+
+def _payload(raw, counts=None, loss=1.0, grad_norm=2.0, clipped=False, contrib=4.0, nonfinite=0):
+    return {"raw": raw, "counts": counts or {}, "clipped": clipped, "grad_contrib": contrib,
+            "step": {"loss": loss, "grad_norm": grad_norm, "loss_scale": 8.0, "updates_skipped": 1,
+                     "nonfinite": nonfinite}}
+
+
+def test_global_telemetry_adds_outputs_and_shards_and_checks_replicas():
+    from nanscan.monitor.health_ranks import combine
+
+    out, w_plain, w_shard = ("rms/a",), ("norm/w",), ("norm/s",)
+    r0 = _payload({out: (10, 9, 4.0, 2, 3.0, 65504.0), w_plain: (6, 5.0, 1.5, "plain"),
+                   w_shard: (3, 1.0, 0.5, "counted")}, {"nonfinite/a": (1, "activation")}, loss=1.0, nonfinite=1)
+    r1 = _payload({out: (10, 10, 6.0, 0, 5.0, 65504.0), w_plain: (6, 5.0, 1.5, "plain"),
+                   w_shard: (3, 2.0, 0.75, "counted")}, {"nonfinite/a": (2, "activation")}, loss=3.0, nonfinite=2)
+    warned = set()
+    raw, counts, values = combine([r0, r1], publisher=0, sharded=False, names=warned)
+    assert raw[out] == (20, 19, 10.0, 2, 5.0, 65504.0)  # counts and sums add, the max is the max
+    assert raw[w_plain] == (6, 5.0, 1.5, "plain")  # replicated: one copy
+    assert raw[w_shard] == (6, 3.0, 0.75, "counted")  # shards: added
+    assert counts == {"nonfinite/a": 3}
+    assert values == {"loss": 2.0, "grad_norm": 2.0, "loss_scale": 8.0, "updates_skipped": 1, "nonfinite": 3}
+    assert warned == set()
+
+
+def test_global_telemetry_leaves_out_what_it_cannot_know():
+    from nanscan.monitor.health_ranks import combine
+
+    w, p, s = ("norm/w",), ("norm/p",), ("norm/s",)
+    r0 = _payload({w: (6, 5.0, 1.5, "plain"), p: (6, 5.0, 1.5, "unknown"), s: (3, 1.0, 0.5, "counted")},
+                  {"grad_nonfinite/w": (1, "plain")}, grad_norm=2.0)
+    r1 = _payload({w: (6, 7.0, 1.5, "plain"), p: (6, 5.0, 1.5, "unknown"), s: (3, 9.0, 0.5, "replica")},
+                  grad_norm=3.0)
+    warned = set()
+    with pytest.warns(RuntimeWarning, match="cannot be known"):
+        raw, counts, values = combine([r0, r1], publisher=0, sharded=False, names=warned)
+    assert list(raw) == [s] and raw[s] == (3, 1.0, 0.5, "counted")  # the replica's copy is not counted again
+    assert counts == {} and values["grad_norm"] is None  # replicated gradients that differ: no global norm
+    assert warned == {"norm/w", "norm/p", "grad_nonfinite/w", "nanscan/grad_norm"}
+    raw, _, values = combine([r0, _payload(r1["raw"], grad_norm=float("nan"))], publisher=0, sharded=False,
+                             names=warned)  # (warned once: no second warning)
+    assert values["grad_norm"] != values["grad_norm"]  # a non-finite norm on any rank is non-finite
+    _, _, values = combine([_payload({}, contrib=9.0), _payload({}, contrib=16.0, grad_norm=9.9)], publisher=1,
+                           sharded=True)
+    assert values["grad_norm"] == 5.0  # a sharded model's norm: its ranks' shares
+    _, _, values = combine([_payload({}, loss=float("inf")), _payload({}, loss=None)], publisher=0, sharded=True,
+                           names=None)
+    assert values["loss"] != values["loss"]

@@ -158,18 +158,6 @@ def test_telemetry_options_are_checked_at_watch():
     assert nanscan.WatchConfig(every=3).telemetry_interval == 12 and nanscan.WatchConfig().telemetry_interval == 10
 
 
-def test_telemetry_is_refused_where_its_numbers_would_be_one_rank_s_own(monkeypatch):
-    """Under torch.distributed with more than one rank each rank's records are of its own batch and
-    shards: a tracker would be shown local numbers as if global. nanscan refuses instead of guessing."""
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    model = _model()
-    with pytest.raises(ValueError, match="telemetry under torch.distributed is not supported yet"):
-        nanscan.watch(model, telemetry=lambda s, p: None)
-    monkeypatch.undo()
-    nanscan.watch(model, telemetry=lambda s, p: None).close()  # (nothing was left behind)
-
-
 def test_wandb_offline_run_holds_the_monitors_points(wandb_offline, tmp_path):
     from nanscan.telemetry import WandB
     from tests.test_telemetry_sinks import read_wandb_history

@@ -83,11 +83,6 @@ def watch(model, optimizer=None, scaler=None, *, config: Optional[WatchConfig] =
     config = WatchConfig.of(config, options)
     if config.backend is not None:
         _ops.resolve_backend(config.backend, next(model.parameters()).device)  # (an unknown one is a ValueError here)
-    if config.telemetry is not None and torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise ValueError("nanscan.watch: telemetry under torch.distributed is not supported yet: each rank's numbers "
-                         "are of its own batch and shards, not the global ones a tracker should show. Publish from "
-                         "one process, or leave telemetry off.")
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")

@@ -46,6 +46,10 @@ def active() -> bool:
         and torch.distributed.get_world_size() > 1
 
 
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
 def _device() -> torch.device:
     # NCCL only moves CUDA tensors; gloo / mpi take CPU tensors.
     if torch.distributed.get_backend() == "nccl":
@@ -129,3 +133,57 @@ def all_reduce_records(rows: torch.Tensor, group=None, mesh_dim: Optional[int] =
     index = first.gather(0, rank_of_first.clamp(max=first.shape[0] - 1).unsqueeze(0)).squeeze(0)
     out[:, Field.FIRST_NONFINITE] = torch.where(found, index, -1.0)
     return out, torch.where(found, rank_of_first, -1)
+
+
+def telemetry_plan(interval: int) -> tuple:
+    """Collective, at ``watch``: every rank passes its telemetry interval (0: no sinks) and gets
+    ``(publishing rank, interval)`` -- the lowest rank with sinks publishes, every rank contributes
+    its records (one that has no sinks too: the gather needs every rank), ``(-1, 0)`` when no rank
+    has sinks. Ranks with sinks must agree on the interval: a ``ValueError`` on every rank otherwise."""
+    dist = torch.distributed
+    intervals = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=_device())
+    mine = torch.tensor([interval], dtype=torch.int64, device=_device())
+    dist.all_gather_into_tensor(intervals, mine)
+    intervals = intervals.tolist()  # (once, at watch)
+    on = [(rank, n) for rank, n in enumerate(intervals) if n]
+    if not on:
+        return -1, 0
+    if len({n for _, n in on}) > 1:
+        raise ValueError(f"nanscan.watch: ranks disagree on telemetry_every ({dict(on)}, by rank): every rank must "
+                         "use the same (telemetry points are combined across ranks)")
+    return on[0][0], on[0][1]
+
+
+def param_sharing(named_params) -> dict:
+    """How this rank's copy of each parameter (and its gradient) adds to the global tensor, for
+    telemetry's global numbers: ``"plain"`` -- a plain tensor, taken to be replicated on every rank
+    (data parallel; checked when combined: ranks that differ make its numbers unknown); ``"counted"``
+    -- a DTensor shard this rank counts (its coordinate is 0 on every ``Replicate`` mesh dimension);
+    ``"replica"`` -- a DTensor shard another rank counts for it; ``"unknown"`` -- a ``Partial``
+    placement (a pending sum: the norm of a sum is not the sum of norms) or a mesh that does not
+    cover every rank (replicas outside it cannot be told from other models)."""
+    dtensor = dtensor_type()
+    world = torch.distributed.get_world_size()
+    out = {}
+    for name, p in named_params:
+        if dtensor is None or not isinstance(p, dtensor):
+            out[name] = "plain"
+            continue
+        mesh, placements = p.device_mesh, p.placements
+        coordinate = mesh.get_coordinate()
+        if mesh.size() != world or coordinate is None or any(pl.is_partial() for pl in placements):
+            out[name] = "unknown"
+        elif all(coordinate[d] == 0 for d, pl in enumerate(placements) if pl.is_replicate()):
+            out[name] = "counted"
+        else:
+            out[name] = "replica"
+    return out
+
+
+def gather_to(payload, dst: int):
+    """Collective: every rank's ``payload`` (picklable) to rank ``dst`` as a list by rank; None on
+    the other ranks."""
+    dist = torch.distributed
+    box = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(payload, box, dst=dst)
+    return box

@@ -26,16 +26,25 @@ Which tensors: ``telemetry_names`` (fnmatch patterns of names; default every one
 module output and 4 per parameter (two for it, two for its gradient), so a 200-layer model sends about
 2,400 per point; ``telemetry_names=["*.layers.0.*", "lm_head*"]`` or a larger ``telemetry_every``
 keep a large model's trackers small.
+
+Under torch.distributed (more than one rank) the points are global: at a telemetry step every rank
+sends its host numbers of the step (sums of squares, finite and zero counts, maxima, counts; no
+tensor data) to the publishing rank in one gather, which combines them (:mod:`~nanscan.monitor.health_ranks`
+says how, and when a number cannot be known and is left out) and alone publishes.
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from nanscan.allow import name_allowed
+from nanscan.monitor import distributed
 from nanscan.monitor.headroom import max_of
+from nanscan.monitor.health_ranks import RankPlan, combine
 from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows, GradBlock
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.telemetry.scalars import PREFIX, scalar_name
+from nanscan.warn import warn
 
 __all__ = ["Health"]
 
@@ -43,18 +52,48 @@ _NAN, _POSINF, _NEGINF, _ZERO = Field.NAN_COUNT, Field.POSINF_COUNT, Field.NEGIN
 _MIN, _MAX_FIELD, _SUMSQ = Field.FINITE_MIN, Field.FINITE_MAX, Field.SUMSQ
 
 
+def make_health(config, model) -> Optional["Health"]:
+    """The monitor's :class:`Health`, or None when telemetry is off. Under torch.distributed this
+    is a collective (:func:`~nanscan.monitor.distributed.telemetry_plan`, at ``watch``): every rank
+    contributes when any rank has sinks, and the lowest rank with sinks publishes."""
+    from nanscan.telemetry import Publisher
+
+    interval = config.telemetry_interval if config.telemetry is not None else 0
+    if not distributed.active():
+        return Health(Publisher(config.telemetry), interval, config.every, config.telemetry_names) if interval else None
+    publisher, interval = distributed.telemetry_plan(interval)
+    if not interval:
+        return None
+    rank = distributed.rank()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plan = RankPlan(rank, publisher, distributed.param_sharing(named), distributed.has_dtensors(p for _, p in named))
+    sinks = Publisher(config.telemetry) if config.telemetry is not None else None
+    return Health(sinks if rank == publisher else None, interval, config.every, config.telemetry_names, ranks=plan,
+                  idle_sinks=sinks if rank != publisher else None)
+
+
 class Health:
     """Collects and publishes the telemetry points of one monitor (see the module docstring)."""
 
-    def __init__(self, publisher, every: int, lag: int, names: tuple = ("*",)):
+    def __init__(self, publisher, every: int, lag: int, names: tuple = ("*",), ranks: Optional[RankPlan] = None,
+                 idle_sinks=None):
         # lag: steps between two checked steps (a read holds the last one's parameters after the update)
+        # publisher None: this rank only contributes its numbers to the publishing rank (ranks)
         self.publisher, self.every, self.lag = publisher, every, lag
         self.names = None if tuple(names) == ("*",) else tuple(names)  # (None: every name)
-        self._points: dict = {}  # telemetry step -> {scalar name: value}
+        self.ranks = ranks  # (None: one process)
+        self._idle_sinks = idle_sinks  # (a rank that does not publish: its own sinks, closed with the monitor)
+        # Under torch.distributed a failure does not drop telemetry on one rank alone (the others would
+        # wait in the gather): the rank keeps gathering, and nothing more is published anywhere.
+        self.failed = False
+        # telemetry step -> {scalar names of a tensor: its raw numbers}: (numel, finite, sumsq, zeros,
+        # amax, dtype max) for a module output, (finite, sumsq, amax, sharing) for a parameter or gradient
+        self._raw: dict = {}
         self._counts: dict = {}  # step -> {scalar name: its non-finite values} since the last point
+        self._count_kind: dict = {}  # count's scalar name -> "activation" or the parameter's sharing
+        self._grad_contrib: dict = {}  # telemetry step -> this rank's share of the squared gradient norm
         self._step_nonfinite = 0  # ... in every record of the checked steps since the last point
         self._skipped = 0  # updates skipped so far (running)
-        self._least: dict = {}  # telemetry step -> the least headroom_bits of its module outputs
         # (prefix, tensor name) -> its scalar names: the statistics', then its non-finite count's; ()
         # when telemetry_names leaves it out. Made once per tensor (every point has the same names).
         self._names: dict = {}
@@ -73,6 +112,8 @@ class Health:
         step -- its own step's, or the previous checked step's parameters after the update --, the
         statistics of those (from the host records in one conversion, rows described without
         making a Slot of each)."""
+        if self.failed:
+            return
         bad = read.bad
         if not self.wants_read(read):
             for i in sorted(bad):
@@ -139,6 +180,11 @@ class Health:
             return
         if dtype is not None and dtype.is_complex:  # (its record is of the real view: two numbers each)
             numel *= 2
+        sharing = None
+        if prefix and self.ranks is not None:
+            sharing = self.ranks.sharing.get(name, "plain")
+            if point and prefix == "grad_":
+                self._add_grad_contrib(step, sharing, v[_SUMSQ])
         key = (prefix, name)
         names = self._names.get(key)
         if names is None:
@@ -147,6 +193,7 @@ class Health:
             else:
                 stats = ("rms", "amax", "zero_frac", "headroom_bits") if not prefix else ("norm", "amax")
                 names = self._names[key] = tuple(f"{PREFIX}/{prefix}{stat}/{name}" for stat in stats + ("nonfinite",))
+                self._count_kind[names[-1]] = sharing if (prefix and sharing) else "activation"
         if not names:
             return
         count = int(v[_NAN] + v[_POSINF] + v[_NEGINF]) if bad else 0
@@ -155,55 +202,113 @@ class Health:
             counts[names[-1]] = counts.get(names[-1], 0) + count
         if not point:
             return
-        points = self._points.get(step)
-        if points is None:
-            points = self._points[step] = {}
+        raw = self._raw.get(step)
+        if raw is None:
+            raw = self._raw[step] = {}
         finite = numel - count
         if finite > 0:
             lo, hi = v[_MIN], v[_MAX_FIELD]
             amax = hi if hi >= -lo else -lo
         else:
             amax = None
-        sumsq = v[_SUMSQ]
         if prefix:  # a parameter or a gradient
-            points[names[0]] = math.sqrt(sumsq) if finite > 0 else None
-            points[names[1]] = amax
-            return
-        points[names[0]] = math.sqrt(sumsq / finite) if finite > 0 else None
-        points[names[1]] = amax
-        points[names[2]] = v[_ZERO] / numel if numel else None
-        limit = max_of(dtype)  # (NaN: not floating)
-        headroom = math.log2(limit / amax) if (amax and limit == limit) else None
-        points[names[3]] = headroom
-        if headroom is not None:
-            least = self._least.get(step)
-            if least is None or headroom < least:
-                self._least[step] = headroom
+            raw[names] = (finite, v[_SUMSQ], amax, sharing)
+        else:
+            raw[names] = (numel, finite, v[_SUMSQ], v[_ZERO], amax, max_of(dtype))
 
-    def step_done(self, step: int, *, loss, grad_norm, loss_scale, skipped: bool, nonfinite: int) -> None:
+    def _add_grad_contrib(self, step: int, sharing: str, sumsq: float) -> None:
+        """This rank's share of the step's squared gradient norm (see health_ranks); None once a
+        gradient's share cannot be known."""
+        contrib = self._grad_contrib.get(step, 0.0)
+        if contrib is None:
+            return
+        if sharing == "unknown":
+            contrib = None
+        elif sharing == "counted" or (sharing == "plain" and self.ranks.rank == self.ranks.publisher):
+            contrib += sumsq
+        self._grad_contrib[step] = contrib
+
+    def step_done(self, step: int, *, loss, grad_norm, loss_scale, skipped: bool, nonfinite: int,
+                  clipped: bool = False) -> None:
         """A checked step is complete (the step log flushes it); publishes it when it is a telemetry
-        step. ``nonfinite``: the non-finite values of its records; ``skipped``: its update was."""
+        step. ``nonfinite``: the non-finite values of its records; ``skipped``: its update was;
+        ``clipped``: ``grad_norm`` is the total norm ``clip_grad_norm_`` returned."""
         self._skipped += bool(skipped)
         self._step_nonfinite += nonfinite
-        points = self._points.pop(step, None)
-        for old in [k for k in self._points if k < step]:  # (steps that never completed)
-            del self._points[old]
+        raw = self._raw.pop(step, None)
+        for old in [k for k in self._raw if k < step]:  # (steps that never completed)
+            del self._raw[old]
+        contrib = self._grad_contrib.pop(step, 0.0)
+        for old in [k for k in self._grad_contrib if k < step]:
+            del self._grad_contrib[old]
         if not self.wants(step):
             return
-        points = points or {}
+        raw = raw or {}
+        counts: dict = {}
         for counted in [k for k in self._counts if k <= step]:  # every checked step since the last point
             for name, count in self._counts.pop(counted).items():
-                points[name] = (points.get(name) or 0) + count
-        least = self._least.pop(step, None)
-        for old in [k for k in self._least if k < step]:
-            del self._least[old]
-        points.update({
-            scalar_name("loss"): loss, scalar_name("grad_norm"): grad_norm, scalar_name("loss_scale"): loss_scale,
-            scalar_name("updates_skipped"): self._skipped, scalar_name("nonfinite"): self._step_nonfinite,
-            scalar_name("headroom_bits"): least,
-        })
+                counts[name] = counts.get(name, 0) + count
+        values = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale,
+                  "updates_skipped": self._skipped, "nonfinite": self._step_nonfinite}
         self._step_nonfinite = 0
-        self.publisher.publish(step, points)
+        if self.ranks is not None:
+            if self.failed:
+                distributed.gather_to({"failed": True}, self.ranks.publisher)
+                return
+            mine = {"raw": raw, "counts": {name: (count, self._count_kind.get(name, "activation"))
+                                           for name, count in counts.items()},
+                    "step": values, "clipped": clipped, "grad_contrib": contrib}
+            gathered = distributed.gather_to(mine, self.ranks.publisher)
+            if gathered is None:  # (another rank publishes)
+                return
+            if any(p.get("failed") for p in gathered):
+                if self.publisher is not None:
+                    failed = [r for r, p in enumerate(gathered) if p.get("failed")]
+                    warn(f"nanscan: telemetry failed on rank(s) {failed} and is turned off", RuntimeWarning,
+                         stacklevel=2)
+                    self.publisher.close()
+                    self.publisher = None
+                return
+            raw, counts, values = combine(gathered, publisher=self.ranks.publisher, sharded=self.ranks.sharded,
+                                          names=self.ranks.unknown_warned)
+        if self.publisher is not None:
+            self.publisher.publish(step, _points(raw, counts, values))
+
+    def fail(self) -> None:
+        """A failure of telemetry on this rank (already warned about): nothing more is published; under
+        torch.distributed the rank still takes part in the gathers, so no rank waits for it."""
+        self.failed = True
+        if self.ranks is None and self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     def close(self) -> None:
-        self.publisher.close()
+        for publisher in (self.publisher, self._idle_sinks):
+            if publisher is not None:
+                publisher.close()
+
+
+def _points(raw: dict, counts: dict, values: dict) -> dict:
+    """The scalars of one telemetry point from the raw numbers of its tensors (module docstring)."""
+    points: dict = {}
+    least = None
+    for names, r in raw.items():
+        if len(r) == 4:  # a parameter or a gradient: (finite, sumsq, amax, sharing)
+            finite, sumsq, amax = r[0], r[1], r[2]
+            points[names[0]] = math.sqrt(sumsq) if finite > 0 else None
+            points[names[1]] = amax
+            continue
+        numel, finite, sumsq, zeros, amax, limit = r
+        points[names[0]] = math.sqrt(sumsq / finite) if finite > 0 else None
+        points[names[1]] = amax
+        points[names[2]] = zeros / numel if numel else None
+        headroom = math.log2(limit / amax) if (amax and limit == limit) else None  # (limit NaN: not floating)
+        points[names[3]] = headroom
+        if headroom is not None and (least is None or headroom < least):
+            least = headroom
+    for name, count in counts.items():
+        points[name] = (points.get(name) or 0) + count
+    for what, value in values.items():
+        points[scalar_name(what)] = value
+    points[scalar_name("headroom_bits")] = least
+    return points

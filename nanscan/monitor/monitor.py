@@ -39,7 +39,7 @@ from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.eager import ROOT, EagerHooks, ModuleInfo
 from nanscan.monitor.findings import Findings
 from nanscan.monitor.headroom import HeadroomWatch
-from nanscan.monitor.health import Health
+from nanscan.monitor.health import make_health
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.outcomes import Outcomes
@@ -55,7 +55,6 @@ from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function
 from nanscan.monitor.traced import TracedRows
 from nanscan.monitor.triggers import wrap_closure, wrap_scaler
-from nanscan.telemetry import Publisher
 from nanscan.warn import warn
 
 
@@ -79,8 +78,7 @@ class Monitor:
                                                      and torch.distributed.is_initialized()) else 0
         self.findings = Findings(config.allow, self.rank)
         # Telemetry (Health) hears of every read and, through the step log, of every complete step.
-        health = (Health(Publisher(config.telemetry), config.telemetry_interval, config.every, config.telemetry_names)
-                  if config.telemetry is not None else None)
+        health = make_health(config, model)  # (under torch.distributed: a collective)
         self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health)
                                            if config.log is not None or health is not None else None)
         headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)

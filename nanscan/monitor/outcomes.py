@@ -114,7 +114,9 @@ class Outcomes:
         try:
             self.steplog.health.observe(read)
         except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.steplog.health = None
+            self.steplog.health.fail()
+            if self.steplog.health.ranks is None:
+                self.steplog.health = None
             warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=5)
 
     def log_incidents(self, incidents) -> None:

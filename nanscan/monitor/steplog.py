@@ -241,9 +241,12 @@ class StepLog:
         """The step's numbers to telemetry (a failure there is nanscan's own: warned once, telemetry off)."""
         try:
             self.health.step_done(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
-                                  skipped=e.get("update") == "skipped", nonfinite=sum(e["nonfinite"].values()))
+                                  skipped=e.get("update") == "skipped", nonfinite=sum(e["nonfinite"].values()),
+                                  clipped=e.get("clip_norm") is not None)
         except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.health = None
+            self.health.fail()
+            if self.health.ranks is None:
+                self.health = None
             warnings.warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
 
     def _write(self, write) -> None:
