@@ -20,7 +20,8 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from nanscan.kernels import reference  # noqa: E402
-from nanscan.kernels import triton as tk  # noqa: E402
+from nanscan.kernels import triton as tk  # noqa: E402  (the launcher)
+from nanscan.kernels import triton_kernels as kern  # noqa: E402  (the kernels and their constants)
 from tests.helpers import VALUE_KINDS, assert_record_matches, cast, layouts, special_values, stable_seed  # noqa: E402
 
 DEVICE = "cpu" if tk.INTERPRETING else "cuda"
@@ -74,9 +75,9 @@ def test_multi_tile_chunks(dtype):
 @pytest.mark.parametrize(("fill", "iters", "chunks"), [(NAN, 127, 2), (0.0, 127, 2), (-INF, 127, 2),
                                                       (NAN, 255, 1), (INF, 255, 1), (-INF, 255, 1)])
 def test_packed_counters_do_not_overflow(fill, iters, chunks):
-    """Up to 255 tiles per chunk (tk._MAX_ITERS_PACKED, the most the rescan's packed per-lane
+    """Up to 255 tiles per chunk (kern._MAX_ITERS_PACKED, the most the rescan's packed per-lane
     counters allow: 4 * 255 elements per lane), every element counted."""
-    assert tk._MAX_ITERS_PACKED == 255
+    assert kern._MAX_ITERS_PACKED == 255
     x = torch.full((16 * iters * chunks + 5,), fill, device=DEVICE)
     assert_record_matches(tk.summarize(x, _block=16, _iters=iters), reference.summarize(x), x)
 
@@ -88,11 +89,11 @@ def test_float8_decoding_is_exact(dtype):
     @triton.jit
     def decode(src, dst, KIND: tl.constexpr):
         offs = tl.arange(0, 256)
-        tl.store(dst + offs, tk._decode_fp8(tl.load(src + offs), KIND))
+        tl.store(dst + offs, kern._decode_fp8(tl.load(src + offs), KIND))
 
     raw = torch.arange(256, dtype=torch.uint8, device=DEVICE)
     out = torch.empty(256, dtype=torch.float32, device=DEVICE)
-    decode[(1,)](raw, out, KIND=tk._DTYPE_INFO[dtype][0])
+    decode[(1,)](raw, out, KIND=kern._DTYPE_INFO[dtype][0])
     want = raw.view(dtype).float()
     same = (out.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(out) & torch.isnan(want))
     assert bool(same.all()), [(i, out[i].item(), want[i].item()) for i in torch.nonzero(~same).flatten().tolist()]
@@ -335,18 +336,18 @@ CHUNK = BLOCK * ITERS
 @pytest.fixture
 def rescans(monkeypatch):
     """For every rescan the kernels ran, the offset of its chunk in its tensor; None on a GPU. Under the
-    interpreter a kernel looks its callees up in the module at every call, so a counting wrapper around
-    ``_rescan`` sees each one."""
+    interpreter a kernel looks its callees up in its module (triton_kernels) at every call, so a counting
+    wrapper around ``kern._rescan`` sees each one."""
     if not tk.INTERPRETING:
         return None
     starts = []
-    original = tk._rescan
+    original = kern._rescan
 
     def counting(p, start, *args):
         starts.append(operator.index(start))
         return original(p, start, *args)
 
-    monkeypatch.setattr(tk, "_rescan", counting)
+    monkeypatch.setattr(kern, "_rescan", counting)
     return starts
 
 
@@ -468,13 +469,13 @@ def test_offsets_beyond_2_31_elements():
     meta = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
     part_i = torch.empty(5 * nch, dtype=torch.int64, device=DEVICE)
     part_f = torch.empty(3 * nch, dtype=torch.float64, device=DEVICE)
-    kind, acc64, _ = tk._DTYPE_INFO[torch.float32]
-    tk._stage1_kernel[(nch,)](meta, 0, ITERS, meta, 1, 0, part_i, part_f, nch, KIND=kind, ACC64=acc64,
-                              CODE=tk._PTR_CODE[torch.float32], MULTI=True, ALIGNED=False, BLOCK=BLOCK,
-                              num_warps=tk._NUM_WARPS)
+    kind, acc64, _ = kern._DTYPE_INFO[torch.float32]
+    kern._stage1_kernel[(nch,)](meta, 0, ITERS, meta, 1, 0, part_i, part_f, nch, KIND=kind, ACC64=acc64,
+                                CODE=kern._PTR_CODE[torch.float32], MULTI=True, ALIGNED=False, BLOCK=BLOCK,
+                                num_warps=kern._NUM_WARPS)
     out = torch.empty(8, dtype=torch.float64, device=DEVICE)
-    tk._stage2_kernel[(1,)](part_i, part_f, nch, out, nch, 0, part_i, 0, MULTI=False, BLOCK2=tk._STAGE2_BLOCK,
-                            num_warps=tk._NUM_WARPS)
+    kern._stage2_kernel[(1,)](part_i, part_f, nch, out, nch, 0, part_i, 0, MULTI=False,
+                              BLOCK2=kern._STAGE2_BLOCK, num_warps=kern._NUM_WARPS)
     want = reference.summarize(buf)
     want[7] = 2**31 + 7
     assert part_i[4 * nch:].tolist() == [2**31 + 7, 2**31 + 200, 2**63 - 1]
@@ -511,13 +512,13 @@ def test_list_length_parity_does_not_change_specialization(monkeypatch):
     groups, have identical specialization keys: one compile per group, whatever the list length
     (the tables are passed as one pointer and an integer row length, never as slices)."""
     keys: set = set()
-    for name, dns in (("_stage1_kernel", tk._STAGE1_DO_NOT_SPECIALIZE),
-                      ("_stage2_kernel", tk._STAGE2_DO_NOT_SPECIALIZE)):
+    for name, dns in (("_stage1_kernel", kern._STAGE1_DO_NOT_SPECIALIZE),
+                      ("_stage2_kernel", kern._STAGE2_DO_NOT_SPECIALIZE)):
         try:
-            recorder = _SpecializationRecorder(getattr(tk, name), dns, keys)
+            recorder = _SpecializationRecorder(getattr(kern, name), dns, keys)
         except (ImportError, AttributeError, TypeError) as e:  # pragma: no cover - triton internals moved
             pytest.skip(f"this triton has no binder to compute specialization keys with: {e!r}")
-        monkeypatch.setattr(tk, name, recorder)
+        monkeypatch.setattr(tk, name, recorder)  # the launcher's own reference, the one it launches
     gen = torch.Generator().manual_seed(8)
 
     def tensor(i):  # cycles through the four groups: fp32, fp64, int32, fp32 not 16-byte aligned
@@ -540,32 +541,33 @@ def test_list_length_parity_does_not_change_specialization(monkeypatch):
 
 def test_stage1_register_cap():
     """fp16 / bf16 stage-1 launches carry maxnreg=64 (sm_90: 8 resident programs per SM instead of
-    7, see the module docstring's launch-grid paragraph), through both launchers; other read kinds
-    none. The record does not depend on it: a launch with the cap (ignored by the interpreter)
-    gives the record of the uncapped one."""
-    capped = {"num_warps": tk._NUM_WARPS, "maxnreg": 64}
-    assert tk._stage1_options(tk._KIND_FLOAT, 2) == capped
-    for kind, size in ((tk._KIND_FLOAT, 4), (tk._KIND_FLOAT, 8), (tk._KIND_INT, 1), (tk._KIND_INT, 8),
-                       (tk._KIND_E4M3FN, 1), (tk._KIND_E5M2, 1)):
-        assert tk._stage1_options(kind, size) == {"num_warps": tk._NUM_WARPS}, (kind, size)
+    7, see the launch-grid paragraph of triton_kernels' docstring), through both launchers; other
+    read kinds none. The record does not depend on it: a launch with the cap (ignored by the
+    interpreter) gives the record of the uncapped one."""
+    capped = {"num_warps": kern._NUM_WARPS, "maxnreg": 64}
+    assert tk._stage1_options(kern._KIND_FLOAT, 2) == capped
+    for kind, size in ((kern._KIND_FLOAT, 4), (kern._KIND_FLOAT, 8), (kern._KIND_INT, 1), (kern._KIND_INT, 8),
+                       (kern._KIND_E4M3FN, 1), (kern._KIND_E5M2, 1)):
+        assert tk._stage1_options(kind, size) == {"num_warps": kern._NUM_WARPS}, (kind, size)
     gen = torch.Generator().manual_seed(9)
     xs = [cast(special_values("mixed", 3000, gen), d).to(DEVICE) for d in (torch.bfloat16, torch.float32)]
     _, plan, _, _ = tk._table_host(xs, "test")
     for (kind, _, code, _), _, _, _, _, options in plan:
-        size = next(d.itemsize for d, c in tk._PTR_CODE.items() if c == code)
+        size = next(d.itemsize for d, c in kern._PTR_CODE.items() if c == code)
         assert options == tk._stage1_options(kind, size)
     assert any(options == capped for *_, options in plan) != tk.INTERPRETING  # the interpreter reads fp32
     t, kind, acc64 = tk._prepare(xs[0], "test")
     n, chunks = t.numel(), triton.cdiv(t.numel(), BLOCK * ITERS)
     records = []
-    for options in (capped, {"num_warps": tk._NUM_WARPS}):
+    for options in (capped, {"num_warps": kern._NUM_WARPS}):
         part_i = torch.empty(5 * chunks, dtype=torch.int64, device=DEVICE)
         part_f = torch.empty(3 * chunks, dtype=torch.float64, device=DEVICE)
-        tk._stage1_kernel[(chunks,)](t, n, ITERS, part_i, 0, 0, part_i, part_f, chunks, KIND=kind, ACC64=acc64,
-                                     CODE=tk._PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=BLOCK, **options)
+        kern._stage1_kernel[(chunks,)](t, n, ITERS, part_i, 0, 0, part_i, part_f, chunks, KIND=kind, ACC64=acc64,
+                                       CODE=kern._PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=BLOCK,
+                                       **options)
         out = torch.empty(8, dtype=torch.float64, device=DEVICE)
-        tk._stage2_kernel[(1,)](part_i, part_f, chunks, out, chunks, int(acc64), part_i, 0, MULTI=False,
-                                BLOCK2=tk._STAGE2_BLOCK, num_warps=tk._NUM_WARPS)
+        kern._stage2_kernel[(1,)](part_i, part_f, chunks, out, chunks, int(acc64), part_i, 0, MULTI=False,
+                                  BLOCK2=kern._STAGE2_BLOCK, num_warps=kern._NUM_WARPS)
         records.append(out)
     assert torch.equal(records[0], records[1])
     assert_record_matches(records[0], reference.summarize(xs[0]), xs[0])

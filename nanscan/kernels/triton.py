@@ -1,36 +1,12 @@
-"""Triton backend: the implementations behind ``nanscan::triton_summarize`` and
+"""Triton backend, the launcher: the implementations behind ``nanscan::triton_summarize`` and
 ``nanscan::triton_summarize_many`` (registered for CUDA, and for CPU under ``TRITON_INTERPRET=1``, by
 :mod:`nanscan._ops`).
 
-Each record (float64 ``[8]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
-deterministic stages, with no atomics:
-
-stage 1 (``_stage1_kernel``)
-    One program per *chunk* of a flattened contiguous tensor. A chunk is ``iters`` tiles of ``BLOCK``
-    elements, a tile four 16-byte loads per thread (full tiles are loaded without a mask, so they
-    vectorize; the rest of a chunk, < BLOCK elements, is read one masked load at a time), and
-    writes one partial: nan / +inf / -inf / zero counts and the first non-finite index (int64),
-    finite min, finite max and sum of squares (stored as float64; min/max are exact, and the sum
-    of squares of a float32-accumulated chunk is a float32 value, so it is stored exactly too).
-    Like the CPU and CUDA kernels it assumes the chunk is clean and proves it afterwards: the fast
-    pass keeps only per-lane zero counts and min / max / sum of squares of the raw values; a NaN
-    or +-inf element turns its lane's sum of squares NaN or +inf, so only a chunk whose sum of
-    squares is not finite (a non-finite element, or squares that overflowed) is read a second
-    time, classifying every element (``_rescan``). With every element non-finite a chunk is read
-    twice; integer chunks never are.
-stage 2 (``_stage2_kernel``)
-    One program per tensor combines that tensor's partials in a fixed order (counts in int64, the
-    sum of squares in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
-    record with the raw conventions (min = +inf / max = -inf without a finite element, first = -1
-    without a non-finite one).
-
-Numerics: elements are compared and squared in float32 for fp32 / fp16 / bf16 / float8 (so
-``1e20**2`` is +inf and sumsq may be +inf from overflow), in float64 for fp64, integer and bool
-inputs; the per-lane float32 order differs from torch's pairwise sum by a few ulps * chunk length.
-Integer inputs are converted to float64 in the kernel: ``finite_min`` / ``finite_max`` of int64
-values with ``|x| > 2**53`` are rounded to the nearest float64 (as in every backend: records are
-float64). Complex inputs are summarized as ``torch.view_as_real(x)``. float8 inputs
-(e4m3fn, e5m2, e4m3fnuz, e5m2fnuz) are read as raw bytes and decoded in the kernel (no copy).
+It validates and flattens the inputs, picks each launch's configuration (tile, tiles per chunk,
+register cap) and launches the two kernels of :mod:`nanscan.kernels.triton_kernels` (which
+describes the algorithm, its numerics and the launch grid): stage 1 over chunks, then stage 2
+for the records -- two launches for a tensor (none for an empty one), and for a list on CUDA one
+stage-1 launch per group and one stage-2 launch (below).
 
 Known limitations:
 
@@ -44,552 +20,47 @@ Known limitations:
   16-byte alignment); each group is ONE stage-1 launch over a pointer table (int64 data pointers
   in a device tensor, one entry per chunk naming its tensor), followed by ONE stage-2 launch for
   all tensors: ``groups + 1`` launches plus one (pinned, asynchronous) host-to-device copy of
-  the tables, and no host sync. ``_summarize_many_table`` is that path; tests also run it under the interpreter (where
-  the "device" pointers are CPU addresses). During CUDA graph capture ``summarize_many`` falls
-  back to two launches per tensor: a captured copy would re-read this call's host table -- a
-  temporary pinned buffer -- at every replay, long after it was freed or reused.
+  the tables, and no host sync. ``_summarize_many_table`` is that path; tests also run it under
+  the interpreter (where the "device" pointers are CPU addresses). During CUDA graph capture
+  ``summarize_many`` falls back to two launches per tensor: a captured copy would re-read this
+  call's host table -- a temporary pinned buffer -- at every replay, long after it was freed or
+  reused.
   The table's host side costs ~1 us of Python per tensor: a contiguous plain tensor (not a
   subclass, no negative bit; not fp16 / bf16 under the interpreter) contributes its data pointer
   and numel only, and the per-tensor arithmetic runs on small CPU tensors; every other tensor is
   validated and converted one by one (``_prepare``, 8 - 15 us). ``benchmarks/triton_host.py``
   measures it.
-* Launch parameters (_BLOCK_BY_ITEMSIZE, _NUM_WARPS, _UNROLL, _TARGET_PROGRAMS, _MAX_ITERS,
-  _MAXNREG) were chosen from register counts and instruction mixes of the kernels compiled ahead
-  of time for sm_90 (``benchmarks/triton_isa.py``, which also prints programs per SM and waves),
-  not tuned by measurement on a GPU.
-
-The launch grid (H200: 132 SMs; numbers for sm_90, triton 3.8, 4-warp programs). Stage 1 has one
-program per chunk, and the chunking -- so the fp32 merge order of the sum of squares -- is a
-function of numel and dtype only (``_iters_for``: [2048, 4096) chunks for tensors of 2048 tiles or
-more, up to _MAX_ITERS tiles per chunk). The hardware keeps 65536 / (32 * regs rounded up to 8) /
-4 programs of a stage-1 kernel resident per SM: 12 at 40 registers (fp32, fp64), 9 at 54-56
-(int32, bool), 8 at 64 (fp16), 7 at 65-72 (bf16 uncapped: 70, and fp16 / bf16 on triton 3.6).
-A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
-waves whose last one holds 1.5 programs per SM: each program keeps 8 KiB in flight, and by
-Little's law (4.8 TB/s * ~650 ns) ~3 per SM are needed to keep HBM busy, so the last wave runs at
-about half bandwidth (an estimate, not a measurement).
-What was considered:
-
-  - A persistent grid (SMs x occupancy programs, each looping over chunks pid, pid + G, ...) with
-    the same chunks: the makespan is still ceil(2048 / 924) = 3 chunks per program, the same
-    quantization, and the loop costs registers (measured in an earlier attempt: fp32 40 -> 48,
-    fp16 64 -> 72, i.e. 12 -> 10 and 8 -> 7 programs per SM). Folding a program's consecutive
-    chunks into one partial would make the fp32 sum depend on G: not allowed.
-  - Finer chunks (so that the tail is a small fraction of many waves): every chunk pays a fixed
-    ~240 instructions per thread outside the loops (setup, the cross-lane reductions, eight
-    stores) against 237 per tile in the bf16 fast loop, so at 16M bf16, 4096 one-tile chunks
-    issue 4096 * 4 warps * (237 + 240) = 7.8M warp instructions, 7.5 us at H200's ~1.05e12 per
-    second -- more than the 7.0 us the 32 MiB take at 4.8 TB/s (2048 chunks: 5.9M, 5.6 us). The
-    tail would shrink (4.4 waves, the last at 3 programs per SM) but stage 1 would turn
-    issue-bound, and stage 2 would read twice the partials. Not an improvement on paper.
-  - Chunk counts that fill whole waves on the GPU at hand: the chunking would depend on the
-    device. Not allowed.
-
-  Chosen: the grid stays one program per chunk, the chunking unchanged (2048 partials at 16M;
-  stage 2 still reads <= 4096 partials per tensor, 8 loads per 256), and the occupancy that sets
-  the wave count goes up where it was lost: fp16 / bf16 stage-1 kernels are compiled with
-  ``maxnreg=64`` (_MAXNREG), so bf16 is 64 registers (was 70; 8 programs per SM, was 7): 16M bf16
-  is 1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5, and fp16
-  stays at 8 on triton 3.6 as well. The cost: one 32-bit spill outside the loops (one STL / LDL
-  per chunk) and one more instruction in the fast loop (237, was 236). The four block reductions
-  at the end of a chunk are now one ``tl.reduce`` of four operands (4 barriers per chunk, was 8;
-  the instruction count is unchanged, ~105; the sum's order is still a function of BLOCK and
-  _NUM_WARPS only). Other sizes and dtypes keep their waves (fp32 16M: 1.29 waves, the last
-  at 3.5 programs per SM, enough to keep HBM busy). To be confirmed on a GPU: the compiled bf16 /
-  fp16 kernels' n_regs (64) on triton 3.6, and that bf16 16M is faster, not slower, capped.
 """
 
 import contextlib
-import os
 
 import torch
 import triton
-import triton.language as tl
 
 from nanscan.kernels.reference import SUPPORTED_TEXT, normalize_input
+from nanscan.kernels.triton_kernels import (
+    INTERPRETING,
+    RECORD_SIZE,
+    _BLOCK_BY_ITEMSIZE,
+    _BLOCK_OTHER,
+    _DTYPE_INFO,
+    _KIND_FLOAT,
+    _MAX_ITERS,
+    _MAX_ITERS_PACKED,
+    _MAXNREG,
+    _NUM_WARPS,
+    _PTR_CODE,
+    _STAGE2_BLOCK,
+    _TARGET_PROGRAMS,
+    _UNROLL,
+    _stage1_kernel,
+    _stage2_kernel,
+)
 
 __all__ = ["INTERPRETING", "SUPPORTED_TEXT", "summarize", "summarize_many"]
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _interpreter_index_of_one_element_blocks() -> None:
-    """Triton's interpreter runs scalars as 1-element numpy arrays; before triton 3.7 its
-    ``tensor.__index__`` was ``int(data)``, which numpy >= 2.4 refuses for a 1-D array ("only
-    0-dimensional arrays can be converted to Python scalars"), so ``range(0, n)`` over a computed
-    bound fails under the interpreter (the GPU compile path is not affected). Triton 3.8 squeezes
-    the array first; this gives older interpreters the same ``__index__``. Interpreter only."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:  # pragma: no cover - triton without an interpreter module
-        return
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_nanscan_squeeze", False):
-        return
-    import inspect
-
-    try:
-        if "squeeze()" in inspect.getsource(original):  # triton >= 3.7: nothing to do
-            return
-    except (OSError, TypeError):  # pragma: no cover - no source: patch anyway, it is harmless
-        pass
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    patched._nanscan_squeeze = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRETING:
-    _interpreter_index_of_one_element_blocks()
-
-RECORD_SIZE = 8
 _INF = float("inf")
-_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0]
-
-# Element kinds (constexpr KIND of the stage-1 kernel).
-_KIND_FLOAT = 0  # fp64 / fp32 / fp16 / bf16, loaded natively
-_KIND_INT = 1  # bool (read as uint8) and integers: finite by definition, computed in float64
-_KIND_E4M3FN = 2  # float8 formats, read as uint8 and decoded in the kernel
-_KIND_E5M2 = 3
-_KIND_E4M3FNUZ = 4
-_KIND_E5M2FNUZ = 5
-
-# Element type of the data pointers in the pointer table (constexpr CODE of the stage-1 kernel).
-_PTR_CODE = {
-    torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.uint8: 4,
-    torch.int8: 5, torch.int16: 6, torch.int32: 7, torch.int64: 8,
-}
-
-# dtype -> (kind, accumulate in float64, dtype the kernel reads the bytes as (None: itself))
-_DTYPE_INFO = {
-    torch.float64: (_KIND_FLOAT, True, None),
-    torch.float32: (_KIND_FLOAT, False, None),
-    torch.float16: (_KIND_FLOAT, False, None),
-    torch.bfloat16: (_KIND_FLOAT, False, None),
-    torch.bool: (_KIND_INT, True, torch.uint8),
-    torch.uint8: (_KIND_INT, True, None),
-    torch.int8: (_KIND_INT, True, None),
-    torch.int16: (_KIND_INT, True, None),
-    torch.int32: (_KIND_INT, True, None),
-    torch.int64: (_KIND_INT, True, None),
-}
-for _name, _kind in (("float8_e4m3fn", _KIND_E4M3FN), ("float8_e5m2", _KIND_E5M2),
-                     ("float8_e4m3fnuz", _KIND_E4M3FNUZ), ("float8_e5m2fnuz", _KIND_E5M2FNUZ)):
-    if hasattr(torch, _name):
-        _DTYPE_INFO[getattr(torch, _name)] = (_kind, False, torch.uint8)
-
-# Launch configuration. A tile is _UNROLL = 4 loads per thread. For floating inputs (fp64 / fp32 /
-# fp16 / bf16) each load is 16 bytes (a tile of 1024 / 2048 / 4096 elements with 4 warps), so
-# every thread has 64 bytes in flight -- what a memory-bound scan needs outstanding to cover
-# DRAM latency on H100 / H200; 16-32 bytes leave bandwidth unused. Integer, bool and float8 inputs
-# cost 12-26 instructions per element (conversion to float64, software float8 decoding): they are
-# bound by instruction issue, not by bandwidth, so they use 4 elements per load (_BLOCK_OTHER) and
-# stay at the register count of the float kernels (64 one-byte elements per thread would need
-# 150-190 registers). Chunks grow to up to _MAX_ITERS tiles so that very large tensors produce a
-# few thousand partials (stage 2 reads them with one program per tensor) while mid-sized tensors
-# still spread over >= _TARGET_PROGRAMS programs. Untuned on hardware: benchmarks/triton_isa.py
-# shows registers and instruction mixes.
-_NUM_WARPS = 4
-_UNROLL = 4  # loads per thread per tile; the kernels spell the four loads out (_tile_fast)
-_BLOCK_BY_ITEMSIZE = {s: _NUM_WARPS * 32 * _UNROLL * 16 // s for s in (8, 4, 2)}  # KIND_FLOAT
-_BLOCK_OTHER = _NUM_WARPS * 32 * _UNROLL * 4
-_TARGET_PROGRAMS = 2048
-# Register cap (ptxas .maxnreg) of the stage-1 kernel per (kind, element size); none where absent.
-# fp16 / bf16 tiles hold 32 elements per thread in three float32 accumulators and an int32 count
-# of 8 lanes each: uncapped they take 64 (fp16) / 70 (bf16) registers on triton 3.8 and ~70 on
-# 3.6, i.e. 7 programs per SM on sm_90 (a 4-warp program at 65-72 registers), 8 at <= 64. Capped
-# at 64, bf16 keeps its fast loop (237 instructions, was 236) and spills one 32-bit value
-# outside the loops (one STL / LDL per chunk, in the epilogue). See the launch-grid paragraph
-# of the module docstring for why occupancy, and not the grid shape, is what moves the tail.
-_MAXNREG = {(_KIND_FLOAT, 2): 64}
-_MAX_ITERS = 64
-# The rescan packs three per-lane counters into one int32, 10 bits each; a lane sees
-# iters * _UNROLL elements of a chunk, so iters <= 255 keeps every field <= 1020.
-_MAX_ITERS_PACKED = 1023 // _UNROLL
-_STAGE2_BLOCK = 256
-
-# Integer arguments that must not become part of a kernel's specialization key: Triton would
-# otherwise compile one variant per value class (== 1, divisible by 16) of each. Table offsets in
-# particular are integers here, not pointers into the middle of the table: a pointer's 16-byte
-# alignment is part of the key, and slices at multiples of the list length change alignment with
-# its parity (the even / odd recompile of issue 12). tests/test_triton.py recomputes the keys.
-_STAGE1_DO_NOT_SPECIALIZE = ("numel", "iters", "meta_rows", "chunk_offset", "total")
-_STAGE2_DO_NOT_SPECIALIZE = ("total", "nchunks", "acc64", "meta_rows")
-
-
-# --------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _as_ptr(raw, CODE: tl.constexpr, ALIGNED: tl.constexpr):
-    """int64 address -> typed pointer (element type chosen by CODE, see _PTR_CODE). ALIGNED: the
-    launcher checked address % 16 == 0; the hint lets full tiles use 128-bit loads. (It must be set
-    here, on the cast itself: a hint on the value returned by a jit function is lost at inlining.)"""
-    if CODE == 0:
-        p = raw.to(tl.pointer_type(tl.float64))
-    elif CODE == 1:
-        p = raw.to(tl.pointer_type(tl.float32))
-    elif CODE == 2:
-        p = raw.to(tl.pointer_type(tl.float16))
-    elif CODE == 3:
-        p = raw.to(tl.pointer_type(tl.bfloat16))
-    elif CODE == 4:
-        p = raw.to(tl.pointer_type(tl.uint8))
-    elif CODE == 5:
-        p = raw.to(tl.pointer_type(tl.int8))
-    elif CODE == 6:
-        p = raw.to(tl.pointer_type(tl.int16))
-    elif CODE == 7:
-        p = raw.to(tl.pointer_type(tl.int32))
-    else:
-        p = raw.to(tl.pointer_type(tl.int64))
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
-
-
-@triton.jit
-def _decode_fp8(raw, KIND: tl.constexpr):
-    """float8 bytes -> float32 values (NaN / +-inf where the format encodes them). Exact: normal
-    values are rebuilt bit by bit as normal float32, subnormals as mantissa * 2**(1 - bias - M)."""
-    u = raw.to(tl.int32)
-    neg = (u & 128) != 0
-    if KIND == 2:  # e4m3fn: bias 7, 3 mantissa bits, no inf, NaN = S.1111.111
-        e = (u >> 3) & 15
-        m = u & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 0.001953125  # 2**-9
-        isnan = (u & 127) == 127
-        isinf = u < 0  # never
-    elif KIND == 3:  # e5m2: bias 15, 2 mantissa bits, IEEE-style inf / NaN
-        e = (u >> 2) & 31
-        m = u & 3
-        normal = (((e + 112) << 23) | (m << 21)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 0.0000152587890625  # 2**-16
-        isnan = (e == 31) & (m != 0)
-        isinf = (e == 31) & (m == 0)
-    elif KIND == 4:  # e4m3fnuz: bias 8, no inf, no -0, NaN = 0x80
-        e = (u >> 3) & 15
-        m = u & 7
-        normal = (((e + 119) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 0.0009765625  # 2**-10
-        isnan = u == 128
-        isinf = u < 0  # never
-    else:  # e5m2fnuz: bias 16, no inf, no -0, NaN = 0x80
-        e = (u >> 2) & 31
-        m = u & 3
-        normal = (((e + 111) << 23) | (m << 21)).to(tl.float32, bitcast=True)
-        sub = m.to(tl.float32) * 0.00000762939453125  # 2**-17
-        isnan = u == 128
-        isinf = u < 0  # never
-    mag = tl.where(e == 0, sub, normal)
-    mag = tl.where(isinf, float("inf"), mag)
-    mag = tl.where(isnan, float("nan"), mag)
-    # The sign as a bit, not `-mag`: negating 0.0 must give -0.0, which some Triton interpreters
-    # (3.6: 0 - x) do not.
-    sign = neg.to(tl.int32) << 31
-    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _load(p, loc, rem, MASKED: tl.constexpr):
-    """Raw elements p[loc]; with MASKED, lanes with loc >= rem read 0 (which every kernel below
-    then masks out of the zero count and min / max; 0 adds nothing to a sum of squares)."""
-    if MASKED:
-        raw = tl.load(p + loc, mask=loc < rem, other=0)
-    else:
-        raw = tl.load(p + loc)
-    return raw
-
-
-@triton.jit
-def _value(raw, KIND: tl.constexpr, ACC64: tl.constexpr):
-    """Raw elements -> the compute type: float64 for fp64 and integers, float32 otherwise (float8
-    decoded exactly, see _decode_fp8)."""
-    if KIND == 0:
-        if ACC64:
-            v = raw.to(tl.float64)
-        else:
-            v = raw.to(tl.float32)
-    elif KIND == 1:
-        v = raw.to(tl.float64)
-    else:
-        v = _decode_fp8(raw, KIND)
-    return v
-
-
-@triton.jit
-def _fold_fast(v, loc, rem, zeros, vmin, vmax, vss, MASKED: tl.constexpr):
-    """Fast path for one load: zeros += [v = 0], vmin = min(vmin, v), vmax = max(vmax, v),
-    vss += v * v, per lane, with no classification.
-
-    A NaN or +-inf element makes its lane's sum of squares NaN or +inf (its square is, and sums of
-    non-negative numbers never go back to finite), so a chunk whose sum of squares is finite had
-    no non-finite element and these min / max / sum are its finite min / max / sum. Otherwise
-    the chunk is rescanned (_rescan) and only the zero count of this pass is kept (NaN and +-inf
-    are never 0, so it is exact either way)."""
-    iz = v == 0
-    if MASKED:
-        m = loc < rem
-        iz = iz & m
-        vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
-        vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
-    elif v.dtype == tl.float64:
-        # no float64 min / max instruction: minnum would cost a compare, two selects and a NaN
-        # fix-up per element; a compare and a select are enough (NaN lanes are rescanned anyway)
-        vmin = tl.where(v < vmin, v, vmin)
-        vmax = tl.where(v > vmax, v, vmax)
-    else:
-        vmin = tl.minimum(vmin, v)
-        vmax = tl.maximum(vmax, v)
-    return zeros + iz.to(tl.int32), vmin, vmax, vss + v * v
-
-
-@triton.jit
-def _tile_fast(p, base, rem, zeros, vmin, vmax, vss,
-               KIND: tl.constexpr, ACC64: tl.constexpr, BLOCK: tl.constexpr):
-    """Fold the full tile p[base : base + BLOCK] into the per-lane fast-path accumulators (BLOCK / 4
-    lanes). The four loads are issued before any of them is used: each thread then has four
-    16-byte loads (64 bytes) in flight."""
-    SUB: tl.constexpr = BLOCK // 4
-    l0 = base + tl.arange(0, SUB)
-    l1 = l0 + SUB
-    l2 = l1 + SUB
-    l3 = l2 + SUB
-    r0 = _load(p, l0, rem, False)
-    r1 = _load(p, l1, rem, False)
-    r2 = _load(p, l2, rem, False)
-    r3 = _load(p, l3, rem, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r0, KIND, ACC64), l0, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r1, KIND, ACC64), l1, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r2, KIND, ACC64), l2, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r3, KIND, ACC64), l3, rem, zeros, vmin, vmax, vss, False)
-    return zeros, vmin, vmax, vss
-
-
-@triton.jit
-def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vfirst, MASKED: tl.constexpr):
-    """Rescan of one load: classify every element. counts packs three per-lane counters into one
-    int32 (bits 0-9 NaN, 10-19 +inf, 20-29 -inf; a lane sees iters * 4 <= 1020 elements per
-    chunk); vmin / vmax / vss skip non-finite elements; vfirst is the smallest chunk-local index
-    of a non-finite element per lane (2**31 - 1: none). Masked lanes hold 0: finite, and
-    excluded from min / max."""
-    isnan = v != v
-    ispinf = v == float("inf")
-    isninf = v == float("-inf")
-    nonfinite = isnan | ispinf | isninf
-    if MASKED:
-        skip = nonfinite | (loc >= rem)
-    else:
-        skip = nonfinite
-    vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
-    vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
-    vss += tl.where(nonfinite, 0.0, v * v)
-    counts += isnan.to(tl.int32) | (ispinf.to(tl.int32) << 10) | (isninf.to(tl.int32) << 20)
-    vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
-    return counts, vmin, vmax, vss, vfirst
-
-
-@triton.jit
-def _combine_fast(z0, mn0, mx0, ss0, z1, mn1, mx1, ss1):
-    """Combine of the fast pass's per-lane (zero count, min, max, sum of squares)."""
-    return z0 + z1, tl.minimum(mn0, mn1), tl.maximum(mx0, mx1), ss0 + ss1
-
-
-@triton.jit
-def _accumulators(ACC64: tl.constexpr, SUB: tl.constexpr):
-    """Per-lane identities of min / max / sum of squares in the compute type."""
-    if ACC64:
-        vmin = tl.full([SUB], float("inf"), tl.float64)
-        vmax = tl.full([SUB], float("-inf"), tl.float64)
-        vss = tl.zeros([SUB], tl.float64)
-    else:
-        vmin = tl.full([SUB], float("inf"), tl.float32)
-        vmax = tl.full([SUB], float("-inf"), tl.float32)
-        vss = tl.zeros([SUB], tl.float32)
-    return vmin, vmax, vss
-
-
-@triton.jit
-def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB: tl.constexpr):
-    """Second pass over a chunk the fast path saw a non-finite value (or an overflowing square)
-    in: (nan, +inf, -inf) counts, finite min / max / sum of squares, and the first non-finite
-    index (global, int64; INT64_MAX: none) of elements p[0 : rem], p = chunk start, in n_subs
-    loads of SUB elements. One load per iteration: this path is rare, and its five per-lane
-    accumulators would otherwise raise the register count (and lower the occupancy) of the
-    whole kernel, fast path included."""
-    counts = tl.zeros([SUB], tl.int32)
-    vfirst = tl.full([SUB], 2147483647, tl.int32)
-    vmin, vmax, vss = _accumulators(ACC64, SUB)
-    n_full = rem // SUB
-    for j in range(0, n_full):
-        loc = j * SUB + tl.arange(0, SUB)
-        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, False), KIND, ACC64), loc, rem,
-                                                         counts, vmin, vmax, vss, vfirst, False)
-    for j in range(n_full, n_subs):  # at most one partial load
-        loc = j * SUB + tl.arange(0, SUB)
-        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, True), KIND, ACC64), loc, rem,
-                                                         counts, vmin, vmax, vss, vfirst, True)
-    f = tl.min(vfirst, axis=0)
-    first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
-    return (tl.sum(counts & 1023, axis=0).to(tl.int64), tl.sum((counts >> 10) & 1023, axis=0).to(tl.int64),
-            tl.sum(counts >> 20, axis=0).to(tl.int64), tl.min(vmin, axis=0), tl.max(vmax, axis=0),
-            tl.sum(vss, axis=0), first)
-
-
-# Expected instruction mix of the clean fast path, measured statically (no GPU): the kernel
-# compiled ahead of time for sm_90, SASS of its full-tile loop, `.venv/bin/python -m
-# benchmarks.triton_isa` (triton 3.8; 3.6 within 5%):
-#   dtype  instructions / element  registers  bytes in flight / thread
-#   fp32        6.8  (was 24.4)     40 (64)    64 (32)
-#   bf16        7.4  (was 24.5)     64 (75)    64 (16)   (70 without the maxnreg=64 cap)
-#   fp16        7.2  (was 25.4)     64 (62)    64 (16)   (capped at 64 too: ~70 on triton 3.6)
-#   fp64       11.5  (was 41.8)     40 (54)    64 (32)
-# ("was": the kernel that classified every element, `--rev 8e80e4b`.) fp32 per 16 elements:
-# 4 LDG.128, 32 FMNMX (min, max), 16 FFMA (sum of squares), 16 FSETP + ~34 integer instructions
-# (the zero count: mostly an add of 1 undone by a move under the predicate) and ~7 of loop
-# control. The masked rest of a chunk (< BLOCK elements) and the rescan are separate loops.
-@triton.jit(do_not_specialize=_STAGE1_DO_NOT_SPECIALIZE)
-def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, part_f, total,
-                   KIND: tl.constexpr, ACC64: tl.constexpr, CODE: tl.constexpr,
-                   MULTI: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-    """One partial per chunk of iters * BLOCK elements, in two passes like the CPU and CUDA
-    kernels: a fast pass that only keeps the zero count and per-lane min / max / sum of squares,
-    then -- only in a chunk whose sum of squares came out NaN or +inf, i.e. that held a NaN /
-    +-inf element or whose squares overflowed -- a rescan of that chunk that classifies every
-    element (_rescan). Integers are finite: no rescan.
-
-    Single tensor (MULTI=False): x_ptr / numel describe it, chunk = program id.
-    Multi-tensor (MULTI=True): meta is the int64 table of _summarize_many_table, meta_rows its
-    row length (the number of tensors); global chunk gid = chunk_offset + program id,
-    t = meta[5 * meta_rows + gid] its tensor, whose data pointer is meta[t], element count
-    meta[meta_rows + t] and first global chunk meta[2 * meta_rows + t]. Partials are stored
-    struct-of-arrays with row stride `total`: part_i[k * total + gid] (k: nan, +inf, -inf, zero,
-    first) and part_f[k * total + gid] (k: min, max, sumsq).
-
-    Every element index and offset is int64 (tensors may have more than 2**31 elements); only
-    chunk-local indices, < iters * BLOCK < 2**31, are int32.
-    """
-    pid = tl.program_id(0).to(tl.int64)
-    chunk = iters.to(tl.int64) * BLOCK
-    total64 = total.to(tl.int64)
-    if MULTI:
-        rows = meta_rows.to(tl.int64)
-        gid = chunk_offset.to(tl.int64) + pid
-        t = tl.load(meta + 5 * rows + gid)
-        p0 = _as_ptr(tl.load(meta + t), CODE, ALIGNED)
-        n = tl.load(meta + rows + t)
-        start = (gid - tl.load(meta + 2 * rows + t)) * chunk
-    else:
-        gid = pid
-        p0 = x_ptr
-        n = numel.to(tl.int64)
-        start = pid * chunk
-    p = p0 + start
-    rem = tl.minimum(n - start, chunk)  # 1 <= rem <= chunk
-    SUB: tl.constexpr = BLOCK // 4  # elements per load (16 bytes per thread)
-    rem32 = rem.to(tl.int32)
-    n_full = rem32 // BLOCK  # full tiles
-    n_subs = (rem32 + SUB - 1) // SUB  # loads, the last one partial when SUB does not divide rem
-
-    zeros = tl.zeros([SUB], tl.int32)
-    vmin, vmax, vss = _accumulators(ACC64, SUB)
-    for i in range(0, n_full):
-        zeros, vmin, vmax, vss = _tile_fast(p, i * BLOCK, rem32, zeros, vmin, vmax, vss,
-                                            KIND, ACC64, BLOCK)
-    # the rest, < BLOCK elements, one masked load at a time (at most four; one load's registers)
-    for j in range(n_full * 4, n_subs):
-        loc = j * SUB + tl.arange(0, SUB)
-        zeros, vmin, vmax, vss = _fold_fast(_value(_load(p, loc, rem32, True), KIND, ACC64), loc, rem32,
-                                            zeros, vmin, vmax, vss, True)
-
-    # one reduction of the four accumulators together: one round trip through shared memory (two
-    # barriers) instead of four; the sum of squares' order (in-thread, then the same butterfly and
-    # cross-warp tree as tl.sum) is a function of BLOCK and _NUM_WARPS only
-    nz32, mn, mx, ss = tl.reduce((zeros, vmin, vmax, vss), 0, _combine_fast)
-    n_zero = nz32.to(tl.int64)
-    n_nan = n_zero * 0
-    n_pinf = n_nan
-    n_ninf = n_nan
-    first = n_nan + 9223372036854775807
-    if KIND != 1:
-        # ss >= 0 is a sum of squares: it is NaN or +inf iff some lane saw a non-finite element
-        # or an overflow (then the rescan's sum is +inf too). Once per chunk; rarely taken.
-        if (ss != ss) | (ss == float("inf")):
-            n_nan, n_pinf, n_ninf, mn, mx, ss, first = _rescan(p, start, rem32, n_subs, KIND, ACC64, SUB)
-    tl.store(part_i + gid, n_nan)
-    tl.store(part_i + total64 + gid, n_pinf)
-    tl.store(part_i + 2 * total64 + gid, n_ninf)
-    tl.store(part_i + 3 * total64 + gid, n_zero)
-    tl.store(part_i + 4 * total64 + gid, first)
-    tl.store(part_f + gid, mn.to(tl.float64))
-    tl.store(part_f + total64 + gid, mx.to(tl.float64))
-    tl.store(part_f + 2 * total64 + gid, ss.to(tl.float64))
-
-
-@triton.jit(do_not_specialize=_STAGE2_DO_NOT_SPECIALIZE)
-def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
-                   MULTI: tl.constexpr, BLOCK2: tl.constexpr):
-    """Record of tensor t = program id from its partials [base, base + n), combined in a fixed order.
-    Single tensor (MULTI=False): base 0, n = nchunks, float64 sumsq iff acc64 != 0.
-    Multi-tensor: base = meta[2 * meta_rows + t], n = meta[3 * meta_rows + t], float64 sumsq iff
-    meta[4 * meta_rows + t] != 0 (see _stage1_kernel)."""
-    t = tl.program_id(0).to(tl.int64)
-    total64 = total.to(tl.int64)
-    if MULTI:
-        rows = meta_rows.to(tl.int64)
-        base = tl.load(meta + 2 * rows + t)
-        n = tl.load(meta + 3 * rows + t)
-        a64 = tl.load(meta + 4 * rows + t)
-    else:
-        base = t * 0
-        n = nchunks.to(tl.int64)
-        a64 = acc64.to(tl.int64)
-
-    s_nan = tl.zeros([BLOCK2], tl.int64)
-    s_pinf = tl.zeros([BLOCK2], tl.int64)
-    s_ninf = tl.zeros([BLOCK2], tl.int64)
-    s_zero = tl.zeros([BLOCK2], tl.int64)
-    vfirst = tl.full([BLOCK2], 9223372036854775807, tl.int64)
-    vmin = tl.full([BLOCK2], float("inf"), tl.float64)
-    vmax = tl.full([BLOCK2], float("-inf"), tl.float64)
-    ss32 = tl.zeros([BLOCK2], tl.float32)
-    ss64 = tl.zeros([BLOCK2], tl.float64)
-    for c in range(0, n, BLOCK2):
-        idx = c + tl.arange(0, BLOCK2)
-        m = idx < n
-        g = base + idx
-        s_nan += tl.load(part_i + g, mask=m, other=0)
-        s_pinf += tl.load(part_i + total64 + g, mask=m, other=0)
-        s_ninf += tl.load(part_i + 2 * total64 + g, mask=m, other=0)
-        s_zero += tl.load(part_i + 3 * total64 + g, mask=m, other=0)
-        vfirst = tl.minimum(vfirst, tl.load(part_i + 4 * total64 + g, mask=m, other=9223372036854775807))
-        vmin = tl.minimum(vmin, tl.load(part_f + g, mask=m, other=float("inf")))
-        vmax = tl.maximum(vmax, tl.load(part_f + total64 + g, mask=m, other=float("-inf")))
-        ss = tl.load(part_f + 2 * total64 + g, mask=m, other=0.0)
-        ss32 += ss.to(tl.float32)  # exact: float32-accumulated partials are float32 values
-        ss64 += ss
-
-    first = tl.min(vfirst, axis=0)
-    o = out + t * 8
-    tl.store(o, tl.sum(s_nan, axis=0).to(tl.float64))
-    tl.store(o + 1, tl.sum(s_pinf, axis=0).to(tl.float64))
-    tl.store(o + 2, tl.sum(s_ninf, axis=0).to(tl.float64))
-    tl.store(o + 3, tl.sum(s_zero, axis=0).to(tl.float64))
-    tl.store(o + 4, tl.min(vmin, axis=0))
-    tl.store(o + 5, tl.max(vmax, axis=0))
-    tl.store(o + 6, tl.where(a64 != 0, tl.sum(ss64, axis=0), tl.sum(ss32, axis=0).to(tl.float64)))
-    tl.store(o + 7, tl.where(first == 9223372036854775807, -1.0, first.to(tl.float64)))
-
-
-# --------------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------------
+_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0]  # the record of an empty tensor
 
 
 def _prepare(x: torch.Tensor, op: str):
@@ -639,8 +110,8 @@ def _block_for(kind: int, itemsize: int) -> int:
 
 def _stage1_options(kind: int, itemsize: int) -> dict:
     """Launch options of the stage-1 kernel for (kind, element size): num_warps, and maxnreg where
-    _MAXNREG caps the registers (part of Triton's specialization key: one compile per dtype, as
-    before). The interpreter ignores both."""
+    _MAXNREG caps the registers (part of Triton's specialization key, which holds the dtype
+    already: still one compile per dtype). The interpreter ignores both."""
     return _STAGE1_OPTIONS.get((kind, itemsize), _STAGE1_DEFAULT)
 
 
