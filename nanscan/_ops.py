@@ -127,12 +127,12 @@ def _fake_summarize_many(xs: list) -> torch.Tensor:
 
 
 def _triton_module(device: torch.device):
-    from nanscan.kernels import triton as triton_kernels
+    from nanscan.kernels import triton as triton_launcher
 
-    if device.type == "cpu" and not triton_kernels.INTERPRETING:
+    if device.type == "cpu" and not triton_launcher.INTERPRETING:
         raise ValueError("the triton backend runs on CUDA tensors, or on CPU tensors only under "
                          "TRITON_INTERPRET=1 (set before nanscan is imported)")
-    return triton_kernels
+    return triton_launcher
 
 
 def _triton_summarize(x: torch.Tensor) -> torch.Tensor:
