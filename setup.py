@@ -52,7 +52,12 @@ import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/module.cpp", "csrc/monitor/stamp_rows.cpp"]
-SOURCES_CUDA = ["csrc/cuda/summarize.cu"]
+SOURCES_CUDA = ["csrc/cuda/summarize.cu"]  # #includes csrc/cuda/reduce.cuh and csrc/cuda/kernels.cuh
+# Every header under csrc/. With ninja (the default) torch forces the build and ninja follows the
+# compilers' own header dependencies; without it, setuptools skips the extension unless a file of
+# sources + depends is newer than the library, so a header-only edit needs them listed here.
+HEADERS = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "**", "*"), recursive=True)
+                 if p.endswith((".h", ".cuh")))
 
 
 def source_hash():
@@ -118,12 +123,12 @@ use_cuda = want_cuda()
 if use_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     ext = CUDAExtension(
-        "nanscan._C", SOURCES_CPU + SOURCES_CUDA,
+        "nanscan._C", SOURCES_CPU + SOURCES_CUDA, depends=HEADERS,
         extra_compile_args={"cxx": cpu_flags(), "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
         extra_link_args=["-fopenmp"],
     )
 else:
-    ext = CppExtension("nanscan._C", SOURCES_CPU, extra_compile_args=cpu_flags(),
+    ext = CppExtension("nanscan._C", SOURCES_CPU, depends=HEADERS, extra_compile_args=cpu_flags(),
                        extra_link_args=["-fopenmp"])
 
 # ninja compiles the sources in parallel (MAX_JOBS of them) where it is installed; torch's BuildExtension
