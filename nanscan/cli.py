@@ -149,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     p_report.add_argument("-o", "--output", default=None, help="write the timeline PNG here (needs matplotlib)")
     p_report.add_argument("--html", default=None, help="write a self-contained HTML page here (and its PNG "
                                                        "next to it, HTML.png, unless -o names one)")
+    p_report.add_argument("--heatmap-stat", default="rms", choices=("rms", "headroom_bits"),
+                          help="the module heatmap's statistic, from the log's telemetry lines "
+                               "(watch(..., telemetry=JSONL(log))): rms of module outputs (log colour scale, the "
+                               "default) or headroom_bits (linear)")
     return parser
 
 
@@ -258,7 +262,7 @@ def report_command(args) -> int:
         _check_output(option, path, example, args.source)
     if args.output and args.html and os.path.abspath(args.output) == os.path.abspath(args.html):
         raise UsageError(f"-o and --html both name {args.html}: give two files")
-    summary = report.summarize_run(args.source)
+    summary = report.summarize_run(args.source, heatmap_stat=args.heatmap_stat)
     if args.output and not summary.get("timeline"):
         raise UsageError(f"-o: {args.source} is a bundle, which holds one step: there is no timeline to plot "
                          "(give the run's JSONL event log)")

@@ -70,19 +70,54 @@ MEASURE = """<script>
 """
 
 
-def layout(page_path, width, tmp_path):
-    """Open a copy of the page with MEASURE in Chromium at ``width`` px; the measurement."""
+# The page's image drawn into a canvas at the size it has on the page, once it has loaded; the
+# colours at the given fractions of it.
+SAMPLE = """<script>
+window.addEventListener("load", function () {
+  var im = document.images[0], box = im.getBoundingClientRect(), points = POINTS, pixels = [];
+  var canvas = document.createElement("canvas");
+  canvas.width = Math.round(box.width);
+  canvas.height = Math.round(box.height);
+  var g = canvas.getContext("2d");
+  g.drawImage(im, 0, 0, canvas.width, canvas.height);
+  for (var i = 0; i < points.length; i++) {
+    var x = Math.floor(points[i][0] * canvas.width), y = Math.floor(points[i][1] * canvas.height);
+    var d = g.getImageData(x, y, 1, 1).data;
+    pixels.push([d[0], d[1], d[2], d[3]]);
+  }
+  var out = document.createElement("pre");
+  out.id = "pixels";
+  out.textContent = JSON.stringify({pixels: pixels, image: {left: box.left, right: box.right, width: box.width,
+                                                            height: box.height, alt: im.alt,
+                                                            page_height: document.documentElement.scrollHeight}});
+  document.body.appendChild(out);
+});
+</script>
+"""
+
+
+def layout(page_path, width, tmp_path, points=None):
+    """Open a copy of the page with MEASURE in Chromium at ``width`` px; the measurement. With
+    ``points`` ([x, y] as fractions of the image), also the colours of the page's image there, as
+    Chromium decoded and scaled it to its size on the page (``"pixels"``: [[r, g, b, a]]), and where
+    the image lies (``"image"``)."""
     page = open(page_path, encoding="utf-8").read()
     assert page.count("</body>") == 1
     probe = tmp_path / f"probe-{width}.html"
-    probe.write_text(page.replace("</body>", MEASURE + "</body>"), encoding="utf-8")
+    script = MEASURE + (SAMPLE.replace("POINTS", json.dumps(points)) if points is not None else "")
+    probe.write_text(page.replace("</body>", script + "</body>"), encoding="utf-8")
     out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                           f"--user-data-dir={tmp_path / f'profile-{width}'}", f"--window-size={width},900",
                           "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=180)
     found = re.search(r'<pre id="layout-check">(.*?)</pre>', out.stdout, re.S)
     assert found, f"chromium gave no measurement (exit {out.returncode}): {out.stderr[-2000:]}"
-    return json.loads(html.unescape(found.group(1)))
+    measured = json.loads(html.unescape(found.group(1)))
+    if points is not None:
+        sampled = re.search(r'<pre id="pixels">(.*?)</pre>', out.stdout, re.S)
+        assert sampled, f"chromium sampled no pixels (exit {out.returncode}): {out.stderr[-2000:]}"
+        measured.update(json.loads(html.unescape(sampled.group(1))))
+    return measured
 
 
 def bundle_dir(tmp_path):
@@ -128,3 +163,44 @@ def test_the_check_finds_a_line_that_is_cut_off(tmp_path):
     found = layout(page, WIDTHS[0], tmp_path)
     assert [p["what"] for p in found["problems"]] == ["content wider than its box"]
     assert found["problems"][0]["element"].startswith("pre: incident incident")
+
+
+def test_the_module_heatmap_is_seen_on_the_page(tmp_path):
+    """A real watched run's telemetry (tests/test_report_heatmap.py): the page's PNG holds the
+    module heatmap, and at both widths the page shows it whole -- nothing cut off or scrolled
+    sideways -- with its cells in the colours of the logged values: a cell of the first module, one
+    of the last, a blank where the module did not run, the pink of an rms that was not finite."""
+    pytest.importorskip("matplotlib")
+    from tests.test_report_heatmap import MODULES, SKIP_STEP, heatmap_axes, watched_log
+
+    path, points = watched_log(tmp_path / "events.jsonl")
+    summary = report.summarize_run(path)
+    fig = report.timeline_figure(summary)
+    png = tmp_path / "t.png"
+    fig.savefig(png, format="png")  # (as plot_summary does; the figure's layout is now the PNG's)
+    ax = heatmap_axes(fig)
+    mesh = ax.collections[0]
+    width, height = fig.bbox.width, fig.bbox.height
+    cells = {"first module": ("fc", 2), "last module": ("head", 8), "did not run": ("side", SKIP_STEP),
+             "rms not finite": ("loud", 2)}
+    fractions, expected = [], {}
+    for what, (module, step) in cells.items():
+        x, y = ax.transData.transform((step, MODULES.index(module)))
+        fractions.append([x / width, 1 - y / height])
+        value = points[step].get(f"nanscan/rms/{module}")
+        expected[what] = ([round(255 * c) for c in mesh.cmap(mesh.norm(value))[:3]] if value is not None
+                          else {"did not run": [255, 255, 255], "rms not finite": [0xe3, 0x77, 0xc2]}[what])
+    assert expected["first module"] != expected["last module"]  # (the check tells cells apart)
+
+    page = report.html_report(path, tmp_path / "report.html", png=str(png))
+    assert "heatmap: rms of module outputs (log colour scale), 8 modules" in open(page, encoding="utf-8").read()
+    for window in WIDTHS:
+        found = layout(page, window, tmp_path, points=fractions)
+        assert found["images"] == 1 and found["loaded"]
+        assert found["problems"] == [], f"at {found['width']} px: {json.dumps(found['problems'], indent=1)}"
+        image = found["image"]
+        assert image["alt"] == "nanscan timeline and module heatmap"
+        assert 0 <= image["left"] and image["right"] <= found["width"] and image["width"] > 0.8 * min(window, 1300)
+        assert image["height"] == pytest.approx(image["width"] * height / width, abs=2)  # scaled, not cropped
+        for (what, want), got in zip(expected.items(), found["pixels"]):
+            assert got[3] == 255 and max(abs(a - b) for a, b in zip(got[:3], want)) <= 24, (window, what, got, want)

@@ -26,6 +26,7 @@ import os
 import stat
 from typing import Optional
 
+from nanscan.report.heatmap import check_heatmap_stat, module_heatmap
 from nanscan.report.load import is_bundle, load_bundle_manifest, load_events
 from nanscan.vocabulary import TRAINING_PHASES
 
@@ -329,7 +330,7 @@ def _log_verdict(steps: list, logged: dict, unhandled: Optional[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------- summaries
-def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> dict:
+def summarize_log(events: list, window: int = 5, rank: Optional[int] = None, heatmap_stat: str = "rms") -> dict:
     """Per-step series, skipped steps, incidents, the first anomalous step and what preceded it.
 
     ``rank`` picks one rank's records when a log holds several (default: the header's rank, else
@@ -345,8 +346,10 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
     "description", "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if
     any, else the first), ``anomalous_steps``; ``headroom`` (``{"warnings": [headroom events], "series": {"<kind>
     <name>": {"steps", "bits", "warned_at", "overflow"}}, "threshold"}``: the monitor's early
-    warnings and the few tensors closest to overflow); ``notes`` (truncated lines, duplicates,
-    other ranks)."""
+    warnings and the few tensors closest to overflow); ``heatmap`` (None without telemetry lines, else
+    the module x step matrix of ``heatmap_stat``, ``"rms"`` or ``"headroom_bits"``:
+    :func:`nanscan.report.heatmap.module_heatmap`); ``notes`` (truncated lines, duplicates, other
+    ranks)."""
     notes: list = []
     header = next((e for e in events if e.get("type") == "header"), None)
     rank, ranks_seen = _pick_rank(events, header, rank)
@@ -380,6 +383,7 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None) -> 
         "first_unhandled_anomaly": unhandled,
         "focus": unhandled or first,
         "headroom": _headroom(events, rank, incidents),
+        "heatmap": module_heatmap(events, rank, heatmap_stat, unhandled or first),
         "notes": notes,
     }
 
@@ -462,11 +466,14 @@ def _check_is_log(path: str, events: list) -> None:
                      "(EventLog, watch(..., log=...)) or a bundle directory")
 
 
-def summarize_run(path: str, window: int = 5) -> dict:
+def summarize_run(path: str, window: int = 5, heatmap_stat: str = "rms") -> dict:
     """:func:`summarize_log` of a JSONL log, or :func:`summarize_bundle` of a bundle directory.
     A path that is missing is a ``FileNotFoundError``; one that is not a regular file, cannot be
-    read, or is not an event log (no header, step or incident line) is a ``ValueError`` saying which."""
+    read, or is not an event log (no header, step or incident line) is a ``ValueError`` saying which.
+    ``heatmap_stat``: the telemetry statistic of the log's module heatmap (``"rms"`` or
+    ``"headroom_bits"``; a bundle has none)."""
     path = os.fspath(path)
+    check_heatmap_stat(heatmap_stat)
     if is_bundle(path):
         return summarize_bundle(load_bundle_manifest(path), os.path.abspath(path))
     _check_log_file(path)
@@ -475,6 +482,6 @@ def summarize_run(path: str, window: int = 5) -> dict:
     except OSError as e:
         raise ValueError(f"nanscan report: cannot read {path}: {e.strerror or e}") from None
     _check_is_log(path, events)
-    summary = summarize_log(events, window=window)
+    summary = summarize_log(events, window=window, heatmap_stat=heatmap_stat)
     summary["path"] = os.path.abspath(path)
     return summary

@@ -1,5 +1,5 @@
 """A report as one self-contained HTML page: the text report's words (:func:`summary_blocks`), and
-the timeline PNG inlined as base64.
+the timeline PNG (with the module heatmap, when the log has telemetry) inlined as base64.
 
 Laid out for any window, never cut off at the right edge: each line of the text wraps (its
 continuation hangs under it, its indentation kept) and a long word -- a path, a module name --
@@ -50,7 +50,9 @@ def html_page(summary: dict, png: Optional[bytes] = None) -> str:
     blocks = "\n".join(_table(b) if isinstance(b, Table) else _line(b) for b in summary_blocks(summary))
     image = ""
     if png is not None:
-        image = (f'<img alt="nanscan timeline" src="data:image/png;base64,'
+        hm = summary.get("heatmap")
+        alt = "nanscan timeline" + (" and module heatmap" if hm and hm["modules"] and hm["steps"] else "")
+        image = (f'<img alt="{alt}" src="data:image/png;base64,'
                  f'{base64.b64encode(png).decode("ascii")}">\n')
     title = html.escape(f"nanscan report: {os.path.basename(summary.get('path', '')) or '(events)'}")
     return (f"<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
@@ -59,10 +61,11 @@ def html_page(summary: dict, png: Optional[bytes] = None) -> str:
             f"{image}</body>\n</html>\n")
 
 
-def html_report(path: str, out_html: str, png: Optional[str] = None) -> str:
+def html_report(path: str, out_html: str, png: Optional[str] = None, heatmap_stat: str = "rms") -> str:
     """Write the page of the log or bundle at ``path`` (:func:`html_page`) to ``out_html``, the PNG
-    at ``png`` embedded; returns ``out_html``."""
-    summary = summarize_run(path)
+    at ``png`` embedded (its module heatmap, if any, of ``heatmap_stat``, which the text names);
+    returns ``out_html``."""
+    summary = summarize_run(path, heatmap_stat=heatmap_stat)
     data = None
     if png is not None:
         with open(png, "rb") as f:

@@ -8,12 +8,16 @@ when the monitor logged headroom (``watch(..., headroom_bits=N)``), bits of head
 tensors closest to overflow, with the threshold, the warnings and the overflow marked. An empty
 panel would say only "not logged", at the cost of a quarter of the picture. Skipped updates are
 shaded on every panel, the focus step is a red line annotated with the module and phase,
-non-finite values are markers along a panel's top edge. matplotlib is optional: without it,
+non-finite values are markers along a panel's top edge. When the log holds telemetry lines
+(``watch(..., telemetry=JSONL(log))``), a last panel is the module heatmap on the same step axis
+(:func:`_draw_heatmap`: one row per module output, rms on a log colour scale or headroom bits on a
+linear one, blank where nothing was logged). matplotlib is optional: without it,
 :func:`plot_report` raises an ``ImportError`` with the install hint and the text report still works."""
 from __future__ import annotations
 
 import math
 import os
+import textwrap
 from typing import Optional
 
 from nanscan.report.analysis import CRITERIA, PHASES, summarize_run
@@ -133,7 +137,7 @@ def _draw_headroom(ax, headroom: dict) -> None:
     incident naming the tensor) as a cross at 0 bits."""
     for color, (label, s) in zip(HEADROOM_COLORS, headroom["series"].items()):
         ax.plot(s["steps"], s["bits"], color=color, lw=1.2, marker="o" if len(s["steps"]) <= 300 else None, ms=2,
-                label=f"headroom: {label}")
+                label=f"headroom: {_short(label, NAME_CHARS)}")
         if s["warned_at"] is not None:
             bits = dict(zip(s["steps"], s["bits"])).get(s["warned_at"])
             if bits is not None:
@@ -147,6 +151,105 @@ def _draw_headroom(ax, headroom: dict) -> None:
                    label=f"warning threshold ({headroom['threshold']:g} bits)")
     ax.set_ylim(bottom=0)
     ax.set_ylabel("headroom (bits)\nlog2(dtype max / amax)")
+
+
+HEATMAP_CMAP = "viridis"
+NONFINITE_COLOR = "#d62728"  # red: not in viridis, as the incident line and the NaN markers elsewhere
+WARNING_COLOR = "#ff7f0e"
+NOT_FINITE_COLOR = "#e377c2"  # pink: a statistic that was not finite (sent as <stat>_nonfinite)
+ZERO_COLOR = "black"  # an rms of exactly 0 (all zeros): below a log scale, never blank (blank: not logged)
+HEATMAP_LABEL_CHARS = 32  # a longer module name keeps its end (the most specific part)
+NAME_CHARS = 48  # the same for the incident's name in the annotation and the legend
+
+
+def _edges(steps: list) -> list:
+    """Cell edges on the step axis: halfway between telemetry steps (a lone step: one step wide)."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return [steps[0] - (mids[0] - steps[0])] + mids + [steps[-1] + (steps[-1] - mids[-1])]
+
+
+def _short(name, limit: int) -> str:
+    """A module or tensor name of at most ``limit`` characters: a longer one keeps its end."""
+    name = str(name)
+    return name if len(name) <= limit else "\u2026" + name[-(limit - 1):]
+
+
+def _heatmap_norm(hm: dict, values: list):
+    """The colour scale: log for rms (a zero sits below it, drawn in ZERO_COLOR), linear for bits."""
+    from matplotlib.colors import LogNorm, Normalize
+
+    log = hm["scale"] == "log10"
+    shown = [v for row in values for v in row if v is not None and (v > 0 or not log)]
+    lo, hi = (min(shown), max(shown)) if shown else (1.0, 10.0)
+    if lo == hi:  # (one value: a scale around it)
+        lo, hi = (lo / 2, hi * 2) if log else (lo - 1, hi + 1)
+    return (LogNorm(lo, hi) if log else Normalize(lo, hi)), lo
+
+
+def _draw_heatmap(ax, fig, hm: dict, height_in: float) -> None:
+    """One row per module output (model order, top to bottom; a white line where rows were left
+    out), one cell per telemetry step centred on it: the logged value's colour, blank where nothing
+    was logged, pink where the statistic was not finite, black for an rms of 0. Marks: a red x on a
+    cell whose module counted non-finite values since the previous point, a hollow red square on the
+    incident's module at its step, an orange triangle where the monitor warned about its headroom.
+    The colour bar sits below, so the panel keeps the timeline's width and step axis."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Rectangle
+
+    rows, steps, values = hm["modules"], hm["steps"], hm["values"]
+    log = hm["scale"] == "log10"
+    norm, lowest = _heatmap_norm(hm, values)
+    zeros = log and any(v == 0 for row in values for v in row)
+    data = np.ma.masked_invalid(np.array([[math.nan if v is None else (v if v > 0 or not log else lowest / 10)
+                                           for v in row] for row in values], dtype=float))
+    cmap = colormaps[HEATMAP_CMAP].with_extremes(bad=(0, 0, 0, 0), under=ZERO_COLOR)
+    xs, ys = _edges(steps), np.arange(len(rows) + 1) - 0.5
+    mesh = ax.pcolormesh(xs, ys, data, cmap=cmap, norm=norm, zorder=1)
+    if any(any(row) for row in hm["not_finite"]):
+        flags = np.ma.masked_equal(np.array(hm["not_finite"], dtype=float), 0)
+        ax.pcolormesh(xs, ys, flags, cmap=ListedColormap([NOT_FINITE_COLOR]), zorder=1.5)
+        # (a patch of no size: the legend's swatch for the cells above)
+        ax.add_patch(Rectangle((steps[0], 0), 0, 0, color=NOT_FINITE_COLOR,
+                               label=f"{hm['stat']} not finite (sent as {hm['stat']}_nonfinite)"))
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # (model order, top to bottom)
+    ax.set_yticks(range(len(rows)), [_short(r, HEATMAP_LABEL_CHARS) for r in rows],
+                  fontsize=8 if len(rows) <= 24 else (7 if len(rows) <= 48 else 6))
+    ax.tick_params(axis="y", length=0)
+    ax.set_label("heatmap")
+    ax.set_ylabel("module output")
+    title = f"{hm['what']} per telemetry step" + (" (log colour scale)" if log else " (linear: bits are a log)")
+    if hm["hidden"]:
+        title += "\n" + textwrap.fill(f"{hm['rule']}; a white line: modules left out", 130)
+    ax.set_title(title, fontsize=9, loc="left")
+    for i in range(1, len(rows)):  # (rows not next to each other in the model)
+        if hm["index"][i] != hm["index"][i - 1] + 1:
+            ax.axhline(i - 0.5, color="white", lw=2, zorder=3)
+    bar = fig.colorbar(mesh, ax=ax, location="bottom", aspect=60, shrink=0.6, extend="min" if zeros else "neither")
+    bar.set_label(("rms (log)" if log else "headroom bits, log2(dtype max / amax)")
+                  + (f"; {ZERO_COLOR}: rms 0" if zeros else "") + "; blank: not logged", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+
+    # marker sizes from the size of a cell (points^2), so that they fit it on a big model or a long run
+    cell = min(height_in * 72 / max(1, len(rows)), 8.5 * 72 / max(1, len(steps)))
+    small, big = min(64.0, max(9.0, (0.8 * cell) ** 2)), min(160.0, max(30.0, (1.2 * cell) ** 2))
+    row_of = {name: i for i, name in enumerate(rows)}
+    bad = [(steps[j], i) for i, counts in enumerate(hm["nonfinite"]) for j, c in enumerate(counts) if c > 0]
+    if bad:
+        ax.scatter([x for x, _ in bad], [y for _, y in bad], marker="x", s=small, color=NONFINITE_COLOR,
+                   linewidths=1.3, zorder=4, label="non-finite values counted (since the previous point)")
+    warned = [(w["step"], row_of[w["module"]]) for w in hm["warnings"]]
+    if warned:
+        ax.scatter([x for x, _ in warned], [y for _, y in warned], marker="v", s=small, color=WARNING_COLOR,
+                   edgecolors="black", linewidths=0.6, zorder=5, label="headroom warning (module output)")
+    inc = hm["incident"]
+    if inc is not None and inc["module"] in row_of:
+        ax.scatter([inc["step"]], [row_of[inc["module"]]], marker="s", s=big, facecolors="none",
+                   edgecolors=NONFINITE_COLOR, linewidths=2.2, zorder=6,
+                   label=f"incident: {_short(inc['name'], HEATMAP_LABEL_CHARS)} ({inc['phase']}), step {inc['step']}")
 
 
 def _shade_skipped(axes, skipped_steps: list, width: float) -> None:
@@ -180,7 +283,7 @@ def _mark_focus(axes, summary: dict, span: float) -> None:
     incs = focus.get("incidents") or []
     if incs:
         inc = incs[0]["incident"]
-        text = f"step {focus['step']}: {inc.get('name', '?')} ({inc.get('phase', '?')})"
+        text = f"step {focus['step']}: {_short(inc.get('name', '?'), NAME_CHARS)} ({inc.get('phase', '?')})"
     else:
         text = f"step {focus['step']}: {CRITERIA.get(focus['criterion'], focus['criterion'])}"
     for ax in axes:
@@ -198,7 +301,8 @@ def _legend(fig, panels: dict, lr_lines: list) -> None:
     """One legend below the panels: it never hides data, the annotation or the top-edge markers."""
     legend: dict = {}
     for name, ax in panels.items():
-        ax.grid(True, alpha=0.3)
+        if name != "heatmap":  # (grid lines would cross its cells)
+            ax.grid(True, alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
         if name == "loss_scale":  # the lr line lives on the twin axis
             handles, labels = handles + lr_lines, labels + [ln.get_label() for ln in lr_lines]
@@ -206,7 +310,21 @@ def _legend(fig, panels: dict, lr_lines: list) -> None:
             legend.setdefault(lab if name != "nonfinite" else f"non-finite in {lab}", h)
     if legend:
         fig.legend(list(legend.values()), list(legend.keys()), loc="outside lower center",
-                   ncols=min(4, len(legend)), fontsize=8, frameon=False)
+                   ncols=_legend_columns(list(legend)), fontsize=8, frameon=False)
+
+
+LEGEND_CHARS = 170  # characters of the legend's 8-point text across the 11-inch figure, handles included
+
+
+def _legend_columns(labels: list) -> int:
+    """As many columns as fit the figure's width (at most 4): matplotlib fills them top to bottom,
+    so a column is as wide as its longest label; long module names get fewer columns, never a
+    legend wider than the PNG."""
+    for ncols in range(min(4, len(labels)), 1, -1):
+        rows = -(-len(labels) // ncols)
+        if sum(max(map(len, labels[c:c + rows])) + 6 for c in range(0, len(labels), rows)) <= LEGEND_CHARS:
+            return ncols
+    return 1
 
 
 NOT_LOGGED_NAMES = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr"),
@@ -236,7 +354,18 @@ def _title(summary: dict) -> str:
 
 
 PANEL_HEIGHTS = {"loss": 1.2, "grad_norm": 1.1, "loss_scale": 1.0, "lr": 0.7, "nonfinite": 0.9, "headroom": 1.0,
-                 "empty": 0.8}
+                 "empty": 0.8}  # (the heatmap's grows with its rows: _heatmap_height)
+
+
+def _heatmap_height(hm: dict) -> float:
+    """The heatmap panel's height in PANEL_HEIGHTS units (2 inches): a row about 0.13 inch, room for
+    the colour bar below."""
+    return max(1.1, 0.065 * len(hm["modules"]) + 0.45)
+
+
+def _heatmap(summary: dict) -> Optional[dict]:
+    hm = summary.get("heatmap")
+    return hm if hm and hm["modules"] and hm["steps"] else None
 
 
 def _panels(summary: dict) -> list:
@@ -251,13 +380,18 @@ def _panels(summary: dict) -> list:
         names.append("nonfinite")
     if (summary.get("headroom") or {}).get("series"):
         names.append("headroom")
-    return names or ["empty"]
+    if not names:
+        names.append("empty")
+    if _heatmap(summary) is not None:
+        names.append("heatmap")
+    return names
 
 
 def timeline_figure(summary: dict, title: Optional[str] = None):
     """The timeline of a log summary as a matplotlib ``Figure`` (Agg canvas, no pyplot): one panel
     per logged series (see the module docstring), each labelled by its y label; the lr axis on the
-    right of the loss-scale panel is labelled "twin" (``Axes.get_label``)."""
+    right of the loss-scale panel is labelled "twin", the module heatmap "heatmap" and its colour
+    bar "<colorbar>" (``Axes.get_label``)."""
     if not summary.get("timeline"):
         raise ValueError("nanscan report: a bundle holds one step, there is no timeline to plot; "
                          "give the run's JSONL event log")
@@ -266,7 +400,8 @@ def timeline_figure(summary: dict, title: Optional[str] = None):
     names = _panels(summary)
     any_counted = any(c > 0 for counts in summary["nonfinite"].values() for c in counts)
     # (a non-finite panel with nothing counted says one thing -- none counted --: it gets half the room)
-    heights = [PANEL_HEIGHTS[n] * (0.5 if n == "nonfinite" and not any_counted else 1) for n in names]
+    heights = [_heatmap_height(summary["heatmap"]) if n == "heatmap"
+               else PANEL_HEIGHTS[n] * (0.5 if n == "nonfinite" and not any_counted else 1) for n in names]
     fig = Figure(figsize=(11, 1.6 + 2.0 * sum(heights)), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(names), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
@@ -290,14 +425,26 @@ def timeline_figure(summary: dict, title: Optional[str] = None):
             _draw_nonfinite_counts(ax, summary, width)
         elif name == "headroom":
             _draw_headroom(ax, summary["headroom"])
+        elif name == "heatmap":
+            _draw_heatmap(ax, fig, summary["heatmap"], 2.0 * heights[names.index("heatmap")] - 0.6)
         else:
-            _note(ax, "no loss, grad norm, loss scale, lr or non-finite counts logged: nothing to plot")
+            _note(ax, "no loss, grad norm, loss scale, lr or non-finite counts logged: nothing to plot"
+                  + ("\n(the heatmap below is of the telemetry lines)" if "heatmap" in panels else ""))
     axes[-1].set_xlabel("step")
     _shade_skipped(list(axes), summary["skipped_steps"], width)
     _mark_focus(list(axes), summary, span)
     _legend(fig, panels, lr_lines)
-    if steps:
-        axes[-1].set_xlim(steps[0] - width, steps[-1] + width)
+    hm = _heatmap(summary)
+    if steps or hm is not None:
+        lo, hi = [], []
+        if steps:
+            lo.append(steps[0] - width)
+            hi.append(steps[-1] + width)
+        if hm is not None:
+            edges = _edges(hm["steps"])
+            lo.append(edges[0])
+            hi.append(edges[-1])
+        axes[-1].set_xlim(min(lo), max(hi))
     fig.suptitle(_title(summary) if title is None else title, fontsize=11)
     return fig
 
@@ -311,11 +458,12 @@ def plot_summary(summary: dict, out_png: str, title: Optional[str] = None) -> st
     return out_png
 
 
-def plot_report(path: str, out_png: str) -> str:
+def plot_report(path: str, out_png: str, heatmap_stat: str = "rms") -> str:
     """Write a PNG timeline of the log at ``path`` to ``out_png`` and return ``out_png``: loss;
     unscaled grad norm (log); loss scale (log) with lr on a right axis; non-finite elements per
-    phase (grouped bars, log axis) -- each where the log holds it. Skipped updates are shaded, the
+    phase (grouped bars, log axis) -- each where the log holds it --; with telemetry lines, the module
+    heatmap of ``heatmap_stat`` (``"rms"``, ``"headroom_bits"``). Skipped updates are shaded, the
     incident step is a red line annotated with the module and phase, non-finite values are markers
     along a panel's top edge. Needs matplotlib (``ImportError`` with the install hint otherwise)."""
     _require_matplotlib()  # before reading anything: the hint is the answer when it is missing
-    return plot_summary(summarize_run(path), out_png)
+    return plot_summary(summarize_run(path, heatmap_stat=heatmap_stat), out_png)

@@ -266,12 +266,31 @@ def _headroom_lines(headroom: Optional[dict]) -> list:
     return lines
 
 
+def _heatmap_lines(hm: Optional[dict]) -> list:
+    """Where the plot's module heatmap comes from, in one line (none without telemetry lines)."""
+    if hm is None:
+        return []
+    steps = hm["steps"]
+    if not hm["modules"]:
+        return [f"heatmap: none; the {len(steps)} telemetry line(s) hold no nanscan/{hm['stat']}/<module> scalars"]
+    scale = "log colour scale" if hm["scale"] == "log10" else "linear colour scale"
+    gaps = {b - a for a, b in zip(steps, steps[1:])}
+    which = (f"{steps[0]}-{steps[-1]} every {gaps.pop()}" if len(gaps) == 1 and 1 not in gaps else _ranges(steps))
+    line = (f"heatmap: {hm['what']} ({scale}), {_plural(hm['total_modules'], 'module')} x "
+            f"{_plural(len(steps), 'telemetry step')} ({which})")
+    if hm["hidden"]:
+        line += f"; drawn: {hm['rule']}"
+    return [line]
+
+
 def _log_blocks(summary: dict) -> list:
     lines = _log_overview_lines(summary)
     if not summary["steps"]:
-        return lines + ["no step records: cannot tell whether the run stayed finite"]
+        return lines + _heatmap_lines(summary.get("heatmap")) + [
+            "no step records: cannot tell whether the run stayed finite"]
     lines += _updates_lines(summary)
     lines += _headroom_lines(summary.get("headroom"))
+    lines += _heatmap_lines(summary.get("heatmap"))
     first, unhandled = summary["first_anomaly"], summary["first_unhandled_anomaly"]
     verdict = summary["verdict"]
     if verdict["status"] == "cannot tell":
