@@ -83,6 +83,9 @@ def watch(model, optimizer=None, scaler=None, *, config: Optional[WatchConfig] =
     config = WatchConfig.of(config, options)
     if config.backend is not None:
         _ops.resolve_backend(config.backend, next(model.parameters()).device)  # (an unknown one is a ValueError here)
+    if config.on_nonfinite == "skip" and optimizer is None:
+        raise ValueError("nanscan.watch: on_nonfinite='skip' skips the optimizer's update of a non-finite step, and "
+                         "no optimizer was given: watch(model, optimizer, on_nonfinite='skip')")
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")

@@ -25,7 +25,7 @@ __all__ = ["COMPILED_GRADS", "EVAL_FORWARDS", "MODES", "ON_NONFINITE", "WatchCon
 
 MODES = ("sync", "async")
 COMPILED_GRADS = ("hooks", "taps", "off")
-ON_NONFINITE = ("raise", "warn", "record")
+ON_NONFINITE = ("raise", "warn", "record", "skip")
 EVAL_FORWARDS = ("check", "raise", "skip")
 
 _FLAGS = ("activations", "activation_grads", "grads", "params", "buffers", "optimizer_state",
@@ -67,10 +67,14 @@ class WatchConfig:
 
     What a finding does:
 
-    ``on_nonfinite``: ``"raise"`` (:class:`~nanscan.NonFiniteError`), ``"warn"`` or ``"record"``
-    (only ``mon.incidents``). Non-finite gradients in a step whose update GradScaler skipped are never
-    raised (AMP handled them): they are recorded and counted in ``mon.ledger``. Non-finite forward
-    activations or losses are incidents even then: loss scaling cannot fix them. ``allow``: fnmatch
+    ``on_nonfinite``: ``"raise"`` (:class:`~nanscan.NonFiniteError`), ``"warn"``, ``"record"``
+    (only ``mon.incidents``) or ``"skip"``: a non-finite step's update is not applied -- the
+    optimizer's step does not run, the buffers its forward changed are restored -- and training
+    goes on, up to ``max_consecutive_skips`` skipped steps in a row; the next one raises
+    (:mod:`nanscan.monitor.skipping`; needs ``mode="sync"`` and an optimizer). Non-finite gradients
+    in a step whose update GradScaler skipped are never raised (AMP handled them): they are recorded
+    and counted in ``mon.ledger``. Non-finite forward activations or losses are incidents even then:
+    loss scaling cannot fix them. ``allow``: fnmatch
     patterns of names allowed to be non-finite (e.g. ``"*.attn_mask"``). ``eval_forwards``: forwards
     outside training (``no_grad``, ``inference_mode``; a forward with grad enabled is training
     whatever ``model.training`` says: Note [training forwards]) are ``"check"``-ed as phase
@@ -127,6 +131,7 @@ class WatchConfig:
     every: int = 1
     mode: str = "sync"
     on_nonfinite: str = "raise"
+    max_consecutive_skips: int = 3
     allow: tuple = ()
     backend: Optional[str] = None
     capture_dir: Optional[str] = None
@@ -152,6 +157,12 @@ class WatchConfig:
             _refuse(ValueError, f"mode must be one of {MODES}, got {self.mode!r}")
         if self.on_nonfinite not in ON_NONFINITE:
             _refuse(ValueError, f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
+        skips = self.max_consecutive_skips
+        if isinstance(skips, bool) or not isinstance(skips, int) or skips < 1:
+            _refuse(ValueError, f"max_consecutive_skips must be an int >= 1, got {skips!r}")
+        if self.on_nonfinite == "skip" and self.mode != "sync":
+            _refuse(ValueError, "on_nonfinite='skip' needs mode='sync': in async mode a step's records are checked "
+                                "one read later, after its update was applied, so it can no longer be skipped")
         if self.compiled_grads is True or self.compiled_grads is False:
             normalize("compiled_grads", "taps" if self.compiled_grads else "off")
         if self.compiled_grads not in COMPILED_GRADS:

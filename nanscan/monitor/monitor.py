@@ -46,6 +46,7 @@ from nanscan.monitor.outcomes import Outcomes
 from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
+from nanscan.monitor.skipping import SkipStep, StepSkipper
 from nanscan.monitor.slots import Block, Slot
 from nanscan.monitor.state import StepState
 from nanscan.monitor.stepcapture import StepCapture
@@ -86,9 +87,12 @@ class Monitor:
         self._autocast_probe = AutocastProbe()
         self._capturer = StepCapture(model, optimizer, scaler, config.capture_dir, config.keep_pre_update_state,
                                      self.rank, config.mode)
+        # on_nonfinite="skip": the buffer snapshot, the consecutive count, the wrapped optimizer.step.
+        self.skipper = (StepSkipper(model, config.max_consecutive_skips) if config.on_nonfinite == "skip"
+                        else None)
         # What a landed read leads to (ledger, findings, step log, headroom, telemetry, the policy).
         self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, headroom, self._capturer,
-                                 write_bundle=self.capture)
+                                 write_bundle=self.capture, skipper=self.skipper)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         # (Note [modules changed after watch])
         self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}
@@ -135,6 +139,8 @@ class Monitor:
             self._handles.append(self.optimizer.register_step_post_hook(eager(self._optimizer_post_hook)))
         if self.scaler is not None:
             self._handles.append(wrap_scaler(self.scaler, self._scaler_scale, self._scaler_step))
+        if self.skipper is not None:
+            self._handles.append(self.skipper.wrap(self.optimizer))
 
     def _module_registered(self, parent, name: str, child) -> None:
         """A module of the model is given a child (Note [modules changed after watch])."""
@@ -167,7 +173,15 @@ class Monitor:
         if not state.closed and state.index == step_before and not state.applied:  # skipped
             try:
                 if state.checking and not state.read:
-                    self._read(before_update=False)
+                    # (the update is not applied either way: under on_nonfinite="skip" a reported
+                    # incident -- a non-finite forward or loss -- has the step's buffers restored)
+                    self.outcomes.before_update = True
+                    try:
+                        self._read(before_update=False)
+                    finally:
+                        self.outcomes.before_update = False
+                    if self.outcomes.skip_report is not None:
+                        self._skip_step(optimizer, cancel=False)
             finally:
                 if not state.in_block:
                     self._end_step(raise_incident=False)
@@ -192,6 +206,8 @@ class Monitor:
         # train mode, after forwards in eval mode with grad enabled (a validation pass without
         # no_grad): the inputs it trained on. (Every outermost call comes here: a nested one does not.)
         if state.forward_began(module.training):
+            if self.skipper is not None and state.checking:
+                self.skipper.snapshot()  # (Note [what a skipped step leaves])
             if self.capture_dir is not None and state.checking and not state.in_block:
                 self._capturer.remember(state.index, forward_inputs=(args, kwargs),
                                         inputs_of=None if info.is_root else info.name)
@@ -246,12 +262,34 @@ class Monitor:
         return wrapped
 
     def _read_before_update(self, optimizer) -> None:
+        outcomes = self.outcomes
+        outcomes.before_update = True
         try:
             self._read(before_update=True, found_inf=self._fused_amp_found_inf(optimizer))
         except NonFiniteError:
             if not self.state.in_block:  # the update will not run: the step ends here, skipped
                 self._end_step(raise_incident=False)
             raise
+        finally:
+            outcomes.before_update = False
+        if outcomes.skip_report is not None:
+            self._skip_step(optimizer)
+
+    def _skip_step(self, optimizer, cancel: bool = True) -> None:
+        """on_nonfinite="skip": the reported step is not applied (:mod:`nanscan.monitor.skipping`);
+        ``cancel``: the optimizer's step is running and is cancelled (False: GradScaler skipped it)."""
+        report, self.outcomes.skip_report = self.outcomes.skip_report, None
+        state = self.state
+        self.skipper.restore()
+        self.skipper.skipped(state.index)
+        state.update_applied(False)
+        warn(f"nanscan skipped the update of step {state.index} ({self.skipper.consecutive} in a row, at most "
+             f"{self.skipper.max_consecutive}): {report}", RuntimeWarning, stacklevel=5)
+        if not cancel:
+            return
+        if not state.in_block:
+            self._end_step(raise_incident=False)
+        raise SkipStep(optimizer)
 
     def _optimizer_post_hook(self, optimizer, args, kwargs):
         state = self.state
@@ -259,6 +297,8 @@ class Monitor:
             return
         fused = self._fused_amp_found_inf(optimizer) is not None
         state.update_applied(self.outcomes.fused_applied.pop(state.index, None) if fused else True)
+        if self.skipper is not None and state.applied:
+            self.skipper.applied()
         if state.checking:
             self.tensors.record_update(self.slots, state.index, optimizer, optimizer_state=self.config.optimizer_state,
                                        params=self.params)

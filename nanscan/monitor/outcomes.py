@@ -18,6 +18,7 @@ from nanscan.monitor.headroom import HeadroomWatch
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.read import Read
+from nanscan.monitor.skipping import StepSkipper, limit_note
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.warn import warn
@@ -31,12 +32,18 @@ class Outcomes:
 
     def __init__(self, config: WatchConfig, ledger: Ledger, findings: Findings, steplog: Optional[StepLog],
                  headroom: Optional[HeadroomWatch], capturer: StepCapture,
-                 write_bundle: Callable[[Incident], str]):
+                 write_bundle: Callable[[Incident], str], skipper: Optional[StepSkipper] = None):
         self.config, self.ledger, self.findings = config, ledger, findings
         self.steplog, self.headroom, self.capturer = steplog, headroom, capturer
         self._write_bundle = write_bundle
         self.fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self.raised = False  # a NonFiniteError was raised (close() then records, never raises)
+        # on_nonfinite="skip": the monitor sets before_update around the read in the optimizer's step
+        # pre-hook (the only read whose update can still be skipped); a reported incident there leaves
+        # skip_report for it to act on.
+        self.skipper = skipper
+        self.before_update = False
+        self.skip_report: Optional[Incident] = None
 
     def decide(self, read: Read, raise_incident: Optional[bool]) -> None:
         """Everything a read leads to; ``raise_incident`` False warns, None records silently."""
@@ -87,9 +94,14 @@ class Outcomes:
             capture_error = e
             warn(f"nanscan could not write the bundle: {e!r}", RuntimeWarning, stacklevel=5)
         self.log_incidents(found)
-        if self.config.on_nonfinite == "record" or raise_incident is None:  # None: an earlier incident is raised
+        policy = self.config.on_nonfinite
+        if policy == "record" or raise_incident is None:  # None: an earlier incident is raised
             return
-        if self.config.on_nonfinite == "warn" or not raise_incident:
+        if policy == "skip" and raise_incident and self.before_update and self.skipper.allowed:
+            self.skip_report = report
+            return
+        if policy == "warn" or not raise_incident or (policy == "skip" and not self.before_update):
+            # (skip, outside the pre-update read: the step ended without an update to skip -- warned)
             warn(str(report) + self.findings.also(read, report), RuntimeWarning, stacklevel=5)
             return
         error = NonFiniteError(report)
@@ -99,6 +111,8 @@ class Outcomes:
             attach_note(error, f"nanscan wrote the failure bundle: {bundle_path}")
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
+        if policy == "skip":
+            attach_note(error, limit_note(self.skipper))
         raise error
 
     def _check_headroom(self, read: Read) -> None:
