@@ -138,3 +138,35 @@ def test_hf_trainer_telemetry_without_a_reporting_integration_refuses_to_start(t
 
     with pytest.raises(ValueError, match="report_to"):
         trainer(tmp_path, [NanscanCallback(telemetry="trainer")]).train()
+
+
+class PlantNaNOutput(transformers.TrainerCallback):
+    """At training step ``step`` only, ``transformer.h.0.mlp.c_fc``'s output becomes NaN (a passing
+    fault: the next steps are clean)."""
+
+    def __init__(self, step):
+        self.step, self.handle = step, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        if state.global_step == self.step:
+            self.handle = model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, i, o: o * float("nan"))
+
+
+def test_hf_trainer_survives_a_nonfinite_step_with_skip_and_keeps_the_bundle(tmp_path):
+    from nanscan.integrations.transformers import NanscanCallback
+
+    callback = NanscanCallback(on_nonfinite="skip", capture_dir=str(tmp_path / "bundles"))
+    run = trainer(tmp_path, [callback, PlantNaNOutput(1)])
+    with pytest.warns(RuntimeWarning, match="skipped the update of step 1"):
+        run.train()
+    mon = callback.last_monitor
+    assert mon.ledger.skipped_steps == [1] and mon.ledger.applied == 2
+    # (the NaN comes from a forward hook added after watch's: c_fc's own output was finite, and the
+    # NaN is first seen inside its parent's forward)
+    assert mon.incident.step == 1 and mon.incident.name.startswith("transformer.h.0.mlp")
+    assert mon.bundle_path is not None and "step000001" in mon.bundle_path
+    assert run.state.global_step == 3  # the Trainer counts the skipped step as taken (its batch is consumed)
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())

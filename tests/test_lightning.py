@@ -214,3 +214,26 @@ def test_telemetry_through_a_trainer_without_a_logger_refuses_to_start():
 
     with pytest.raises(ValueError, match="needs a logger"):
         fit([NanscanCallback(telemetry="trainer")])
+
+
+class NaNOnce(pl.Callback):
+    """At training step ``step`` only, net.3's backward-only fault (finite forward, NaN gradient)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.net[3].fault = trainer.global_step == self.step
+
+
+def test_a_nonfinite_step_is_skipped_and_fitting_goes_on(tmp_path):
+    from nanscan.integrations.lightning import NanscanCallback
+
+    callback = NanscanCallback(on_nonfinite="skip", capture_dir=str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="skipped the update of step 2"):
+        module = fit([callback, NaNOnce(2)], max_steps=5)
+    mon = callback.last_monitor
+    assert mon.ledger.skipped_steps == [2] and mon.ledger.applied == 4
+    assert (mon.incident.step, mon.incident.phase, mon.incident.name) == (2, "backward", "net.3")
+    assert mon.bundle_path is not None
+    assert all(torch.isfinite(p).all() for p in module.parameters())
