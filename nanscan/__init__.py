@@ -22,7 +22,8 @@ from nanscan.capture import (BackendResult, BisectResult, Bundle, BundleError, C
 from nanscan import telemetry
 from nanscan.guard import guard
 from nanscan.log import EventLog
-from nanscan.monitor import Incident, Ledger, Monitor, NonFiniteError, WatchConfig, all_reduce_records, watch
+from nanscan.monitor import (Incident, Ledger, Monitor, NonFiniteError, SpikeEvent, SpikePolicy, SpikeWarning,
+                             WatchConfig, all_reduce_records, watch)
 from nanscan.record import RECORD_SIZE, Field, TensorSummary
 from nanscan.summary import record, records, summarize, summarize_many
 
@@ -32,6 +33,7 @@ __all__ = [
     "BackendResult", "BisectResult", "Bundle", "BundleError", "Comparison", "ReplayResult", "bisect_backends",
     "capture_bundle", "compare", "load_bundle", "replay", "guard", "EventLog",
     "BACKENDS", "ExtensionError", "Field", "Incident", "Ledger", "Monitor", "NonFiniteError", "RECORD_SIZE",
+    "SpikeEvent", "SpikePolicy", "SpikeWarning",
     "TensorSummary", "all_reduce_records", "available_backends", "build_info", "record", "records", "summarize",
     "summarize_many", "telemetry", "watch", "WatchConfig", "__version__",
 ]

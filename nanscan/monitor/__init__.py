@@ -6,5 +6,7 @@ from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.api import watch
 from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.monitor import Monitor
+from nanscan.monitor.spikes import SpikeEvent, SpikePolicy, SpikeWarning
 
-__all__ = ["all_reduce_records", "Incident", "Ledger", "Monitor", "NonFiniteError", "WatchConfig", "watch"]
+__all__ = ["all_reduce_records", "Incident", "Ledger", "Monitor", "NonFiniteError", "SpikeEvent", "SpikePolicy",
+           "SpikeWarning", "WatchConfig", "watch"]

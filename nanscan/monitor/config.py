@@ -117,6 +117,10 @@ class WatchConfig:
     tensors (module paths, parameter paths) that get per-tensor scalars (default ``("*",)``: every
     one); the per-step scalars are always sent.
 
+    ``spikes``: ``True`` (default thresholds) or a :class:`~nanscan.monitor.spikes.SpikePolicy` warns
+    of loss and gradient-norm spikes, naming the first module whose output numbers jumped
+    (``mon.spikes``; :mod:`nanscan.monitor.spikes`). Off (None) by default.
+
     Normalized when made: ``compiled_grads`` True / False become ``"taps"`` / ``"off"``,
     ``headroom_bits=True`` the suggested number, ``allow`` a tuple.
     """
@@ -143,6 +147,7 @@ class WatchConfig:
     telemetry: Any = None
     telemetry_every: Optional[int] = None
     telemetry_names: Any = ("*",)
+    spikes: Any = None
 
     def __post_init__(self) -> None:
         normalize = _normalizer(self)
@@ -213,6 +218,16 @@ class WatchConfig:
         if te is not None and (isinstance(te, bool) or not isinstance(te, int) or te < 1 or te % every):
             _refuse(ValueError, f"telemetry_every must be an int >= 1 and a multiple of every={every} (telemetry "
                                 f"points are checked steps), got {te!r}")
+        spikes = self.spikes
+        if spikes is True:
+            from nanscan.monitor.spikes import SpikePolicy
+
+            normalize("spikes", SpikePolicy())
+        elif spikes is False:
+            normalize("spikes", None)
+        elif spikes is not None and type(spikes).__name__ != "SpikePolicy":
+            _refuse(TypeError, f"spikes must be True (the default thresholds), a nanscan.SpikePolicy or None (off), "
+                               f"got {type(spikes).__name__}: {spikes!r}")
         names = (self.telemetry_names,) if isinstance(self.telemetry_names, str) else self.telemetry_names
         if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
             _refuse(TypeError, f"telemetry_names must be an fnmatch pattern (str) or a non-empty list of them, got "

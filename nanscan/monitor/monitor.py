@@ -48,6 +48,7 @@ from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
 from nanscan.monitor.skipping import SkipStep, StepSkipper
 from nanscan.monitor.slots import Block, Slot
+from nanscan.monitor.spikes import SpikeWatch
 from nanscan.monitor.state import StepState
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
@@ -80,8 +81,11 @@ class Monitor:
         self.findings = Findings(config.allow, self.rank)
         # Telemetry (Health) hears of every read and, through the step log, of every complete step.
         health = make_health(config, model)  # (under torch.distributed: a collective)
-        self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health)
-                                           if config.log is not None or health is not None else None)
+        # Spike warnings need every checked step's loss and gradient norm: the step log has them.
+        spikes = SpikeWatch(config.spikes) if config.spikes is not None else None
+        self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health, spikes)
+                                           if config.log is not None or health is not None or spikes is not None
+                                           else None)
         headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)
                     if config.headroom_bits is not None else None)
         self._autocast_probe = AutocastProbe()
@@ -92,7 +96,7 @@ class Monitor:
                         else None)
         # What a landed read leads to (ledger, findings, step log, headroom, telemetry, the policy).
         self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, headroom, self._capturer,
-                                 write_bundle=self.capture, skipper=self.skipper)
+                                 write_bundle=self.capture, skipper=self.skipper, spikes=spikes)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         # (Note [modules changed after watch])
         self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}
@@ -453,6 +457,13 @@ class Monitor:
     def headroom(self) -> Optional[HeadroomWatch]:
         """The headroom watch (None when off, or turned off by its own failure)."""
         return self.outcomes.headroom
+
+    @property
+    def spikes(self) -> list:
+        """The loss / gradient-norm spikes found so far (:class:`~nanscan.monitor.spikes.SpikeEvent`;
+        ``watch(..., spikes=True)``)."""
+        spikes = self.outcomes.spikes
+        return spikes.events if spikes is not None else []
 
     @property
     def headroom_events(self) -> list:

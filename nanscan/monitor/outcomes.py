@@ -19,6 +19,7 @@ from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.read import Read
 from nanscan.monitor.skipping import StepSkipper, limit_note
+from nanscan.monitor.spikes import SpikeWatch
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.warn import warn
@@ -32,7 +33,8 @@ class Outcomes:
 
     def __init__(self, config: WatchConfig, ledger: Ledger, findings: Findings, steplog: Optional[StepLog],
                  headroom: Optional[HeadroomWatch], capturer: StepCapture,
-                 write_bundle: Callable[[Incident], str], skipper: Optional[StepSkipper] = None):
+                 write_bundle: Callable[[Incident], str], skipper: Optional[StepSkipper] = None,
+                 spikes: Optional[SpikeWatch] = None):
         self.config, self.ledger, self.findings = config, ledger, findings
         self.steplog, self.headroom, self.capturer = steplog, headroom, capturer
         self._write_bundle = write_bundle
@@ -42,6 +44,7 @@ class Outcomes:
         # pre-hook (the only read whose update can still be skipped); a reported incident there leaves
         # skip_report for it to act on.
         self.skipper = skipper
+        self.spikes = spikes
         self.before_update = False
         self.skip_report: Optional[Incident] = None
 
@@ -55,6 +58,8 @@ class Outcomes:
             self._check_headroom(read)
         if read.training and self.steplog is not None and self.steplog.health is not None:
             self._observe_health(read)
+        if read.training and self.spikes is not None:
+            self._observe_spikes(read)
         found, report = self.findings.agree(read, found)
         self.findings.add(found)
         if report is None:
@@ -132,6 +137,14 @@ class Outcomes:
             if self.steplog.health.ranks is None:
                 self.steplog.health = None
             warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=5)
+
+    def _observe_spikes(self, read: Read) -> None:
+        """The module outputs' numbers for the spike baselines (:mod:`nanscan.monitor.spikes`)."""
+        try:
+            self.spikes.observe(read)
+        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
+            self.spikes = self.steplog.spikes = None
+            warn(f"nanscan: the spike warnings failed and are turned off: {error!r}", RuntimeWarning, stacklevel=5)
 
     def log_incidents(self, incidents) -> None:
         if self.steplog is not None:

@@ -43,7 +43,7 @@ from nanscan.vocabulary import TRAINING_PHASES
 
 
 class StepLog:
-    def __init__(self, log, rank: int, health=None):
+    def __init__(self, log, rank: int, health=None, spikes=None):
         from nanscan.log import EventLog
 
         self.steps: dict = {}  # step -> its entry, only for checked steps still to be written
@@ -51,6 +51,7 @@ class StepLog:
         self.written = -1  # the last step flushed: a record of it or of an earlier step is late
         # The step's numbers go to the event log (log None: none) and to telemetry (health None: none).
         self.health = health
+        self.spikes = spikes  # (spike warnings: every checked step's loss and gradient norm)
         self.logging = log is not None
         self.owned = log is not None and not isinstance(log, EventLog)
         self.log = log if not self.owned else None
@@ -94,7 +95,7 @@ class StepLog:
                 e = self._entry(step)
                 if e is not None:
                     e["read"] = True
-        if not self.logging and self.health is not None and not self.health.wants_read(read):
+        if not self.logging and self.spikes is None and self.health is not None and not self.health.wants_read(read):
             # Telemetry alone, and no telemetry step in this read: only what adds up between points
             # (non-finite counts, kept per step) is needed.
             for i in sorted(bad):
@@ -229,6 +230,8 @@ class StepLog:
                 grad_norm = math.inf
             elif e["grad_sumsq"] is not None:
                 grad_norm = math.sqrt(e["grad_sumsq"])
+            if self.spikes is not None and e["ended"]:
+                self._spikes(step, e["loss"], grad_norm)
             if self.health is not None:
                 self._publish(step, e, grad_norm)
             extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
@@ -236,6 +239,23 @@ class StepLog:
             self._write(lambda step=step, e=e, grad_norm=grad_norm, extra=extra: self.log.step(
                 step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"], lr=e.get("lr"),
                 update=e.get("update"), nonfinite=e["nonfinite"], **extra))
+
+    def _spikes(self, step: int, loss, grad_norm) -> None:
+        """The step's loss and gradient norm to the spike baselines; a spike goes to the event log and
+        the telemetry sinks (a failure here is nanscan's own: warned once, spike warnings off)."""
+        try:
+            events = self.spikes.step_done(step, loss=loss, grad_norm=grad_norm)
+        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
+            self.spikes = None
+            warnings.warn(f"nanscan: the spike warnings failed and are turned off: {error!r}", RuntimeWarning,
+                          stacklevel=4)
+            return
+        for event in events:
+            fields = {k: v for k, v in event.to_dict().items() if k != "step"}
+            self._write(lambda event=event, fields=fields: self.log.event("spike", event.step, **fields))
+            health = self.health
+            if health is not None and health.publisher is not None:
+                health.publisher.publish(step, {f"nanscan/spike/{event.metric}": event.ratio})
 
     def _publish(self, step: int, e: dict, grad_norm) -> None:
         """The step's numbers to telemetry (a failure there is nanscan's own: warned once, telemetry off)."""

@@ -1,0 +1,239 @@
+"""Loss-spike warnings: ``watch(..., spikes=True)`` (or a :class:`SpikePolicy`) says *when* a step's
+loss or gradient norm jumped, and *where*: the first module, in production order, whose own output
+numbers jumped in that step.
+
+From the records the monitor reads anyway, every checked training step:
+
+* per step, the loss and the gradient norm (before clipping), as the step log has them;
+* per module output (a module called twice in a step: each call), its ``rms`` and ``amax`` over
+  the finite elements.
+
+Each metric keeps a running baseline of its logarithm: a forecast ``f`` of ``log(value)`` (Holt's
+linear exponential smoothing, a level and a trend with memory ``memory`` steps, so that a loss
+falling steadily is forecast where it is going) and ``d``, the mean absolute error of that forecast
+-- the metric's usual step-to-step noise. Departures are ratios to ``exp(f)``. A step metric
+spikes when ``log(value) - f`` is at least ``log(ratio)`` *and* at least ``deviations * d``: twice
+the baseline (by default) and far outside its usual noise, after ``warmup`` checked steps -- and
+when the jump ``value - exp(f)`` is at least ``scale_fraction`` of the metric's median over those
+warmup steps (the run's own scale: a loss that trained to near 0 jumps by large ratios that are
+noise, not spikes). A
+module departed when its ``|log(value) - f|`` passes ``log(module_ratio)`` and
+``module_deviations * d`` (up or down: a jump either way in a module upstream of the loss is where
+a spike starts). A spiking value moves its baseline by at most ``deviations * d``, so one spike
+does not hide the next. Values that are not positive and finite are left out (non-finite values
+are incidents, not spikes; a loss can be negative: it is then not tracked).
+
+A spike is a :class:`SpikeEvent`: kept in ``Monitor.spikes``, written to the event log (``"type":
+"spike"``), sent to the telemetry sinks (``nanscan/spike/<metric>``: the ratio to the baseline) and
+warned as a :class:`SpikeWarning`; it never raises. Under torch.distributed each rank watches its
+own numbers. Note [spike thresholds] in docs/monitor.md gives the numbers behind the defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows
+from nanscan.record import RECORD_SIZE, Field
+from nanscan.warn import warn
+
+__all__ = ["SpikeEvent", "SpikePolicy", "SpikeWarning", "SpikeWatch"]
+
+_NAN, _POSINF, _NEGINF = Field.NAN_COUNT, Field.POSINF_COUNT, Field.NEGINF_COUNT
+_MIN, _MAX, _SUMSQ = Field.FINITE_MIN, Field.FINITE_MAX, Field.SUMSQ
+
+
+class SpikeWarning(RuntimeWarning):
+    """A step's loss or gradient norm jumped far above its running baseline (:class:`SpikeEvent`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikePolicy:
+    """Thresholds of the spike warnings (``watch(..., spikes=SpikePolicy(...))``; ``spikes=True``
+    takes these defaults; the module docstring says what each means)."""
+
+    ratio: float = 2.0
+    deviations: float = 6.0
+    module_ratio: float = 2.0
+    module_deviations: float = 6.0
+    warmup: int = 20
+    memory: int = 10
+    scale_fraction: float = 0.1
+
+    def __post_init__(self):
+        for name in ("ratio", "module_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+                raise ValueError(f"nanscan.SpikePolicy: {name} must be a number > 1, got {value!r}")
+        for name in ("deviations", "module_deviations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"nanscan.SpikePolicy: {name} must be a number > 0, got {value!r}")
+        if isinstance(self.scale_fraction, bool) or not isinstance(self.scale_fraction, (int, float)) \
+                or not 0 <= self.scale_fraction < 1:
+            raise ValueError(f"nanscan.SpikePolicy: scale_fraction must be a number in [0, 1), got "
+                             f"{self.scale_fraction!r}")
+        for name in ("warmup", "memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"nanscan.SpikePolicy: {name} must be an int >= 1, got {value!r}")
+
+
+@dataclasses.dataclass
+class SpikeEvent:
+    """``metric`` (``"loss"`` or ``"grad_norm"``) of ``step`` was ``value``, ``value / baseline``
+    times its running baseline. ``name``: the first module output, in the step's production order,
+    whose own ``module_metric`` (``"rms"`` or ``"amax"``) departed from its baseline, by
+    ``module_ratio`` (its value over its baseline); None when no module's numbers departed (the
+    jump came from the data or the loss alone, or the modules' numbers were not read)."""
+
+    step: int
+    metric: str
+    value: float
+    baseline: float
+    name: Optional[str] = None
+    module_metric: Optional[str] = None
+    module_ratio: Optional[float] = None
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.baseline
+
+    def __str__(self) -> str:
+        where = (f"; it started at module {self.name!r}, whose output {self.module_metric} was "
+                 f"{self.module_ratio:.3g}x its baseline" if self.name is not None
+                 else "; no module's output departed from its baseline")
+        return (f"nanscan: {self.metric} spike at step {self.step}: {self.value:.4g}, {self.ratio:.3g}x its running "
+                f"baseline {self.baseline:.4g}{where}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Baseline:
+    """A forecast of ``log(value)`` with its typical error: Holt's linear exponential smoothing (a
+    level and a trend, so a loss that falls steadily is forecast where it is going, not where it
+    was), and the mean absolute one-step forecast error. Plain averages while ``n < 2 / alpha``."""
+
+    __slots__ = ("n", "level", "trend", "dev")
+
+    def __init__(self):
+        self.n, self.level, self.trend, self.dev = 0, 0.0, 0.0, 0.0
+
+    @property
+    def forecast(self) -> float:
+        return self.level + self.trend
+
+    def departure(self, log_value: float) -> float:
+        return log_value - self.forecast if self.n else 0.0
+
+    def add(self, log_value: float, policy: SpikePolicy, clip: float) -> None:
+        self.n += 1
+        if self.n == 1:
+            self.level = log_value
+            return
+        alpha = max(2.0 / (policy.memory + 1), 1.0 / self.n)
+        forecast = self.forecast
+        err = log_value - forecast
+        if clip > 0 and abs(err) > clip:  # (a spike moves its baseline by at most this much)
+            err = math.copysign(clip, err)
+        level = forecast + alpha * err
+        self.trend += (alpha / 2) * (level - self.level - self.trend)
+        self.level = level
+        self.dev += alpha * (abs(err) - self.dev) if self.n > 2 else abs(err) - self.dev
+
+
+class SpikeWatch:
+    """The baselines and events of one monitor (see the module docstring)."""
+
+    def __init__(self, policy: SpikePolicy):
+        self.policy = policy
+        self.events: list = []
+        self._steps: dict = {}  # (step metric) -> _Baseline
+        self._warmup_values: dict = {}  # step metric -> its values over the warmup steps (for its scale)
+        self._scale: dict = {}  # step metric -> scale_fraction x its median over the warmup steps
+        self._modules: dict = {}  # (module name, "rms" / "amax") -> _Baseline
+        self._departed: dict = {}  # step -> (name, metric, ratio) of its first departed module output
+
+    def observe(self, read) -> None:
+        """A decoded training read: its module outputs' numbers, in production order."""
+        policy = self.policy
+        first = {}
+        for step, name, numel, v in _module_outputs(read):
+            finite = numel - (v[_NAN] + v[_POSINF] + v[_NEGINF])
+            if finite <= 0:
+                continue
+            rms = math.sqrt(v[_SUMSQ] / finite)
+            amax = max(v[_MAX], -v[_MIN])
+            for metric, value in (("rms", rms), ("amax", amax)):
+                if not (value > 0 and math.isfinite(value)):
+                    continue
+                key = (name, metric)
+                base = self._modules.get(key)
+                if base is None:
+                    base = self._modules[key] = _Baseline()
+                x = math.log(value)
+                d = base.departure(x)
+                limit = policy.module_deviations * base.dev
+                if (step not in first and base.n >= policy.warmup and abs(d) >= math.log(policy.module_ratio)
+                        and abs(d) >= limit):
+                    first[step] = (name, metric, math.exp(d))
+                base.add(x, policy, limit if base.n >= policy.warmup else 0.0)
+        for step, departed in first.items():
+            self._departed.setdefault(step, departed)
+
+    def step_done(self, step: int, *, loss, grad_norm) -> list:
+        """A checked step's loss and gradient norm; returns its new :class:`SpikeEvent` s (also kept)."""
+        policy = self.policy
+        departed = self._departed.pop(step, None)
+        for old in [k for k in self._departed if k < step]:
+            del self._departed[old]
+        found = []
+        for metric, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if value is None or not (value > 0 and math.isfinite(value)):
+                continue
+            base = self._steps.get(metric)
+            if base is None:
+                base = self._steps[metric] = _Baseline()
+            if base.n < policy.warmup:
+                self._warmup_values.setdefault(metric, []).append(value)
+            elif metric not in self._scale:
+                kept = sorted(self._warmup_values.pop(metric, [value]))
+                self._scale[metric] = policy.scale_fraction * kept[len(kept) // 2]
+            x = math.log(value)
+            d = base.departure(x)
+            limit = policy.deviations * base.dev
+            if (base.n >= policy.warmup and d >= math.log(policy.ratio) and d >= limit
+                    and value - math.exp(base.forecast) >= self._scale[metric]):
+                name, module_metric, module_ratio = departed if departed is not None else (None, None, None)
+                found.append(SpikeEvent(step, metric, value, math.exp(base.forecast), name, module_metric,
+                                         module_ratio))
+            base.add(x, policy, limit if base.n >= policy.warmup else 0.0)
+        for event in found:
+            self.events.append(event)
+            warn(str(event), SpikeWarning, stacklevel=6)
+        return found
+
+
+def _module_outputs(read):
+    """``(step, name, numel, record)`` of each module output of a training read, in production order
+    (the eager hooks' rows, then other rows; blocks of parameters and gradients are passed over)."""
+    n = read.eager_count
+    host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
+    slots, i, total = read.slots, 0, len(read.slots)
+    while i < total:
+        s = slots[i]
+        t = type(s)
+        if t is EagerRows:
+            kind, info, label, step, phase, dtype, shape, _, candidate, _, _, stale = s.rows.row(i)[:12]
+            if (kind == OUTPUT or kind == BODY) and phase == "forward" and candidate and not stale:
+                module = s.infos[info]
+                yield step, module.name + label if kind == OUTPUT else module.name, math.prod(shape), host[i]
+            i += 1
+        elif isinstance(s, Block):
+            i = max(s.start + (len(s.meta) if hasattr(s, "meta") else len(s.names)), i + 1)
+        else:
+            if s.kind == "activation" and s.phase == "forward" and s.candidate and not s.stale and s.step is not None:
+                yield s.step, s.name, math.prod(s.shape), (host[i] if i < n else read.values(i))
+            i += 1
