@@ -225,3 +225,23 @@ def test_every_rank_skips_the_same_step(tmp_path, style):
     assert got[0]["sums"] == got[1]["sums"]  # the replicas stayed identical
     assert got[0]["sums"][1] == got[0]["sums"][2] != got[0]["sums"][3]  # step 2 changed nothing; step 3 trained
 
+
+
+def test_a_bf16_loop_survives_a_nonfinite_step_with_its_bundle(tmp_path):
+    # bf16 training has no GradScaler to skip a bad update: skip is its guard.
+    model = _net().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(), nanscan.watch(model, opt, on_nonfinite="skip", capture_dir=str(tmp_path)) as mon:
+        warnings.simplefilter("ignore")
+        for step in range(6):
+            start = _state(model, opt)
+            model(_batch(step, step == 3).to(torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                _assert_same(start, _state(model, opt))
+    assert mon.ledger.skipped_steps == [3] and mon.ledger.applied == 5
+    assert mon.bundle_path is not None and "step000003" in mon.bundle_path
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    bundle = nanscan.load_bundle(mon.bundle_path)
+    assert bundle.manifest["incident"]["step"] == 3
