@@ -46,6 +46,7 @@ from nanscan.monitor.outcomes import Outcomes
 from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
+from nanscan.monitor.results import Results
 from nanscan.monitor.skipping import SkipStep, StepSkipper
 from nanscan.monitor.slots import Block, Slot
 from nanscan.monitor.spikes import SpikeWatch
@@ -60,7 +61,7 @@ from nanscan.monitor.triggers import wrap_closure, wrap_scaler
 from nanscan.warn import warn
 
 
-class Monitor:
+class Monitor(Results):
     """Watches one model; see :func:`watch` for the options. Use as a context manager (or call
     :meth:`close`): hooks are removed and pending records are checked on exit."""
 
@@ -441,63 +442,6 @@ class Monitor:
         step = step if step is not None else (incident.step if incident is not None else self.state.index)
         return self._capturer.write(incident, capture_dir, step, current_step=self.state.index,
                                     applied_this_step=self.state.applied)
-
-    @property
-    def step_index(self) -> int:
-        """The current step (counted from 0; one per optimizer step, see the module docstring)."""
-        return self.state.index
-
-    @property
-    def failing_step(self) -> int:
-        """The step a training error happened in: the one a ``with mon.step():`` block just ended by
-        raising, else the current step (:func:`nanscan.guard` logs and captures this one)."""
-        return self._failed_step if self._failed_step is not None else self.state.index
-
-    @property
-    def headroom(self) -> Optional[HeadroomWatch]:
-        """The headroom watch (None when off, or turned off by its own failure)."""
-        return self.outcomes.headroom
-
-    @property
-    def spikes(self) -> list:
-        """The loss / gradient-norm spikes found so far (:class:`~nanscan.monitor.spikes.SpikeEvent`;
-        ``watch(..., spikes=True)``)."""
-        spikes = self.outcomes.spikes
-        return spikes.events if spikes is not None else []
-
-    @property
-    def headroom_events(self) -> list:
-        """The headroom warnings given so far (:class:`~nanscan.monitor.headroom.HeadroomEvent`)."""
-        return self.headroom.events if self.headroom is not None else []
-
-    @property
-    def bundle_path(self) -> Optional[str]:
-        """The bundle written at the first reported incident (or by :func:`nanscan.guard`), or None."""
-        return self._capturer.bundle_path
-
-    def allow_patterns(self) -> tuple:
-        """fnmatch patterns matching exactly every non-finite value found so far (see
-        :attr:`offenders`), for ``watch(..., allow=...)`` when those values are intended."""
-        return self.findings.allow_patterns()
-
-    def allow_line(self) -> str:
-        """``allow=(...)`` ready to paste, from :meth:`allow_patterns`."""
-        return f"allow={self.allow_patterns()!r}"
-
-    @property
-    def incidents(self) -> list:
-        """Every incident found so far, in training order (step, then phase)."""
-        return self.findings.incidents
-
-    @property
-    def offenders(self) -> dict:
-        """Step -> the names of every non-finite value found in it (not only the first)."""
-        return self.findings.offenders
-
-    @property
-    def incident(self) -> Optional[Incident]:
-        """The first incident, or None."""
-        return self.findings.first
 
     def close(self) -> None:
         """Checks what is still pending (the last step if it did not end), removes every hook and
