@@ -15,19 +15,9 @@ import torch
 
 import nanscan
 from benchmarks import bench_monitor
-from benchmarks.host_cost import make_host_bound, train_step
+from benchmarks.telemetry_cost import _gpt, _host
 
 VARIANTS = {"watched": {}, "+ on_nonfinite='skip'": {"on_nonfinite": "skip"}, "+ spikes=True": {"spikes": True}}
-
-
-def _gpt():
-    model, opt, idx = bench_monitor.make()
-    return model, opt, lambda: bench_monitor.step(model, opt, idx)
-
-
-def _host():
-    model, opt, x = make_host_bound()
-    return model, opt, lambda: train_step(model, opt, x)
 
 
 def measure(make, rounds: int, steps: int) -> dict:
