@@ -96,15 +96,42 @@ window.addEventListener("load", function () {
 """
 
 
-def layout(page_path, width, tmp_path, points=None):
+# Every table as laid out: its header cells, its body rows' cells, its box and the widest of its rows.
+TABLES = """<script>
+(function () {
+  var tables = [];
+  var all = document.querySelectorAll(".report table");
+  for (var i = 0; i < all.length; i++) {
+    var t = all[i], box = t.getBoundingClientRect(), rows = [], heads = [], widest = 0;
+    t.querySelectorAll("th").forEach(function (th) { heads.push(th.textContent); });
+    t.querySelectorAll("tbody tr").forEach(function (tr) {
+      var cells = [];
+      tr.querySelectorAll("td").forEach(function (td) {
+        cells.push({text: td.textContent, height: td.getBoundingClientRect().height}); });
+      rows.push(cells);
+      widest = Math.max(widest, tr.getBoundingClientRect().right);
+    });
+    tables.push({heads: heads, rows: rows, left: box.left, right: box.right, width: box.width, widest: widest});
+  }
+  var out = document.createElement("pre");
+  out.id = "tables";
+  out.textContent = JSON.stringify(tables);
+  document.body.appendChild(out);
+})();
+</script>
+"""
+
+
+def layout(page_path, width, tmp_path, points=None, tables=False):
     """Open a copy of the page with MEASURE in Chromium at ``width`` px; the measurement. With
     ``points`` ([x, y] as fractions of the image), also the colours of the page's image there, as
     Chromium decoded and scaled it to its size on the page (``"pixels"``: [[r, g, b, a]]), and where
-    the image lies (``"image"``)."""
+    the image lies (``"image"``). With ``tables``, the report's tables as laid out (``"tables"``)."""
     page = open(page_path, encoding="utf-8").read()
     assert page.count("</body>") == 1
     probe = tmp_path / f"probe-{width}.html"
-    script = MEASURE + (SAMPLE.replace("POINTS", json.dumps(points)) if points is not None else "")
+    script = (MEASURE + (SAMPLE.replace("POINTS", json.dumps(points)) if points is not None else "")
+              + (TABLES if tables else ""))
     probe.write_text(page.replace("</body>", script + "</body>"), encoding="utf-8")
     out = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                           f"--user-data-dir={tmp_path / f'profile-{width}'}", f"--window-size={width},900",
@@ -117,6 +144,10 @@ def layout(page_path, width, tmp_path, points=None):
         sampled = re.search(r'<pre id="pixels">(.*?)</pre>', out.stdout, re.S)
         assert sampled, f"chromium sampled no pixels (exit {out.returncode}): {out.stderr[-2000:]}"
         measured.update(json.loads(html.unescape(sampled.group(1))))
+    if tables:
+        laid_out = re.search(r'<pre id="tables">(.*?)</pre>', out.stdout, re.S)
+        assert laid_out, f"chromium measured no tables (exit {out.returncode}): {out.stderr[-2000:]}"
+        measured["tables"] = json.loads(html.unescape(laid_out.group(1)))
     return measured
 
 
@@ -204,3 +235,31 @@ def test_the_module_heatmap_is_seen_on_the_page(tmp_path):
         assert image["height"] == pytest.approx(image["width"] * height / width, abs=2)  # scaled, not cropped
         for (what, want), got in zip(expected.items(), found["pixels"]):
             assert got[3] == 255 and max(abs(a - b) for a, b in zip(got[:3], want)) <= 24, (window, what, got, want)
+
+
+def test_the_spikes_table_renders_on_the_page(tmp_path):
+    """A log with spikes (tests/test_report_spikes.py), one of them named at a module with a long
+    name: the page has the spikes as a table, one row per spike with the text report's cells, and at
+    both widths nothing is cut off -- at the narrow one the module's cell wraps inside the page."""
+    pytest.importorskip("matplotlib")
+    from tests.test_report_spikes import spike_line, two_rank_log
+
+    path = two_rank_log(tmp_path / "events.jsonl")
+    module = "model.transformer.encoder.layers.11.attention.output.dense.projection"
+    with open(path, "a") as f:
+        f.write(json.dumps(spike_line(27, "loss", 3.5, 1.75, name=module, module_ratio=0.125)) + "\n")
+    summary = report.summarize_run(path)
+    listing = next(b for b in report.summary_blocks(summary) if isinstance(b, report.Listing))
+    png = report.plot_report(path, tmp_path / "t.png")
+    page = report.html_report(path, tmp_path / "report.html", png=png)
+    for width in WIDTHS:
+        found = layout(page, width, tmp_path, tables=True)
+        assert found["problems"] == [], f"at {found['width']} px: {json.dumps(found['problems'], indent=1)}"
+        (spikes,) = [t for t in found["tables"] if t["heads"] == [label for label, _ in listing.columns]]
+        assert [[c["text"] for c in row] for row in spikes["rows"]] == listing.rows
+        assert [row[0]["text"] for row in spikes["rows"]] == ["12", "25", "27"]
+        assert spikes["rows"][2][-1]["text"] == f"{module} (output rms 0.125x its baseline)"
+        assert 0 <= spikes["left"] and spikes["right"] <= found["width"] and spikes["widest"] <= found["width"]
+        line = min(c["height"] for row in spikes["rows"] for c in row)  # (one line of text)
+        wrapped = spikes["rows"][2][-1]["height"] > 1.5 * line
+        assert wrapped == (width < 1000), (width, spikes["rows"][2][-1], line)

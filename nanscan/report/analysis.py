@@ -312,6 +312,40 @@ def _headroom(events: list, rank, incidents: list) -> dict:
     return {"warnings": warned, "series": plotted, "threshold": threshold}
 
 
+SPIKE_METRICS = ("loss", "grad_norm")  # what the monitor's spike warnings watch (nanscan.monitor.spikes)
+
+
+def _positive(v) -> Optional[float]:
+    return float(v) if _number(v) and math.isfinite(v) and v > 0 else None
+
+
+def _spikes(events: list, rank) -> list:
+    """The monitor's spike warnings (``"spike"`` lines) of ``rank``, in step order: each ``{"step",
+    "metric", "value", "baseline", "ratio", "name", "module_metric", "module_ratio"}`` (``ratio``:
+    ``value / baseline``; ``name``, ``module_metric``, ``module_ratio`` None when no module's
+    output departed). A step and metric logged twice (a restart that repeated steps) keeps its last
+    line; a line without a step, a metric or a positive value and baseline is not a spike."""
+    kept: dict = {}
+    for e in events:
+        step, metric = e.get("step"), e.get("metric")
+        if e.get("type") != "spike" or e.get("rank") != rank or not isinstance(step, int) or isinstance(step, bool) \
+                or not isinstance(metric, str):
+            continue
+        value, baseline = _positive(e.get("value")), _positive(e.get("baseline"))
+        if value is None or baseline is None:
+            continue
+        name = e.get("name")
+        name = None if name is None else str(name)  # (a hand-edited or foreign line: the words are text)
+        module_ratio = _positive(e.get("module_ratio")) if name is not None else None
+        module_metric = e.get("module_metric") if name is not None else None
+        kept[step, metric] = {"step": step, "metric": metric, "value": value, "baseline": baseline,
+                              "ratio": value / baseline, "name": name,
+                              "module_metric": None if module_metric is None else str(module_metric),
+                              "module_ratio": module_ratio}
+    order = {m: i for i, m in enumerate(SPIKE_METRICS)}
+    return sorted(kept.values(), key=lambda sp: (sp["step"], order.get(sp["metric"], len(order)), sp["metric"]))
+
+
 # ---------------------------------------------------------------------------- verdicts
 CHECKED = ("loss", "grad_norm", "nonfinite", "update")  # what can show a step going non-finite (lr, scale cannot)
 
@@ -346,10 +380,12 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None, hea
     "description", "handled_by_scaler", "incidents", "preceding"}``), ``focus`` (the unhandled one if
     any, else the first), ``anomalous_steps``; ``headroom`` (``{"warnings": [headroom events], "series": {"<kind>
     <name>": {"steps", "bits", "warned_at", "overflow"}}, "threshold"}``: the monitor's early
-    warnings and the few tensors closest to overflow); ``heatmap`` (None without telemetry lines, else
-    the module x step matrix of ``heatmap_stat``, ``"rms"`` or ``"headroom_bits"``:
-    :func:`nanscan.report.heatmap.module_heatmap`); ``notes`` (truncated lines, duplicates, other
-    ranks)."""
+    warnings and the few tensors closest to overflow); ``spikes`` (the monitor's spike warnings, in
+    step order: ``[{"step", "metric", "value", "baseline", "ratio", "name", "module_metric",
+    "module_ratio"}]``, ``name`` None when no module's output departed; empty without them);
+    ``heatmap`` (None without telemetry lines, else the module x step matrix of ``heatmap_stat``,
+    ``"rms"`` or ``"headroom_bits"``: :func:`nanscan.report.heatmap.module_heatmap`); ``notes``
+    (truncated lines, duplicates, other ranks)."""
     notes: list = []
     header = next((e for e in events if e.get("type") == "header"), None)
     rank, ranks_seen = _pick_rank(events, header, rank)
@@ -370,6 +406,7 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None, hea
 
     anomalies, first, unhandled = _anomalies(s, incidents, window)
     logged = _logged(s)
+    spikes = _spikes(events, rank)
     return {
         "source": "log", "timeline": True, "header": header, "rank": rank, "other_ranks": other_ranks,
         **s,
@@ -383,7 +420,8 @@ def summarize_log(events: list, window: int = 5, rank: Optional[int] = None, hea
         "first_unhandled_anomaly": unhandled,
         "focus": unhandled or first,
         "headroom": _headroom(events, rank, incidents),
-        "heatmap": module_heatmap(events, rank, heatmap_stat, unhandled or first),
+        "spikes": spikes,
+        "heatmap": module_heatmap(events, rank, heatmap_stat, unhandled or first, spikes=spikes),
         "notes": notes,
     }
 

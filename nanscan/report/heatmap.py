@@ -25,13 +25,21 @@ and one column per telemetry step:
 - ``warnings``: the monitor's headroom warnings (``"headroom"`` lines) of module outputs, at their
   step, on their module's row. Warnings of parameters and gradients are in the report's headroom
   panel, not here: a row is a module's output.
+- ``spikes``: the monitor's spike warnings (``"spike"`` lines, the summary's ``spikes``) that name
+  the module where the spike started, at their step (which need not be a telemetry step), on that
+  module's row. A spike that names no module (no module's output departed) is in the timeline
+  only.
+- Columns are the steps whose telemetry lines hold module statistics. Lines of one step are merged
+  (a later line's value wins): the monitor sends a spike's ratio (``nanscan/spike/<metric>``) in a
+  line of its own at the spike's step, a telemetry step or not; it adds to that step's numbers and
+  is never a column of blanks.
 
 At most :data:`MAX_ROWS` rows, so that a big model stays readable (:func:`_pick_rows`): a model with
 more modules shows, in model order, the incident's module and its two neighbours on each side, then
 the modules that counted non-finite values or whose statistic was not finite (earliest in model
-order first), then those with a headroom warning, then those whose plotted value changed most over
-the run (the span of the colour scale they cover: decades of rms, bits of headroom). The incident's
-module is never left out; the summary says how many were."""
+order first), then those with a headroom warning, then those where a spike started, then those
+whose plotted value changed most over the run (the span of the colour scale they cover: decades of
+rms, bits of headroom). The incident's module is never left out; the summary says how many were."""
 from __future__ import annotations
 
 import math
@@ -63,13 +71,22 @@ def _value(v) -> Optional[float]:
 
 
 def _telemetry_points(events: list, rank) -> dict:
-    """step -> scalars of the rank's telemetry lines (a step logged twice keeps its last line)."""
+    """step -> scalars of the rank's telemetry lines, the lines of one step merged (a later line's
+    value wins: a restart that repeated a step keeps its last numbers)."""
     points: dict = {}
     for e in events:
         if e.get("type") == "telemetry" and e.get("rank") == rank and isinstance(e.get("step"), int) \
                 and not isinstance(e.get("step"), bool) and isinstance(e.get("scalars"), dict):
-            points[e["step"]] = e["scalars"]
+            points.setdefault(e["step"], {}).update(e["scalars"])
     return points
+
+
+def _module_scalar(key) -> bool:
+    """Whether a scalar's name is a module statistic (``nanscan/<stat>/<module>``)."""
+    if not isinstance(key, str) or not key.startswith(PREFIX + "/"):
+        return False
+    kind, _, name = key[len(PREFIX) + 1:].partition("/")
+    return kind in MODULE_STATS and bool(name)
 
 
 def _module_of(name, modules: dict) -> Optional[str]:
@@ -97,7 +114,7 @@ def _span(values: list, scale: str) -> float:
     return max(finite) - min(finite)
 
 
-def _pick_rows(modules: list, values: list, nonfinite: list, warned: set, incident_row: Optional[int],
+def _pick_rows(modules: list, values: list, nonfinite: list, warned: set, spiked: set, incident_row: Optional[int],
                scale: str, max_rows: int) -> tuple:
     """(the row indices kept, in model order; the rule in words). See the module docstring."""
     n = len(modules)
@@ -117,13 +134,14 @@ def _pick_rows(modules: list, values: list, nonfinite: list, warned: set, incide
         add(r for r in range(incident_row - NEIGHBOURS, incident_row + NEIGHBOURS + 1) if 0 <= r < n)
     add(r for r in range(n) if any(nonfinite[r]))
     add(r for r in range(n) if r in warned)
+    add(r for r in range(n) if r in spiked)
     add(sorted(range(n), key=lambda r: (-_span(values[r], scale), r)))
     return sorted(keep), (f"{len(keep)} of {n} modules: the incident's and its neighbours, the non-finite, the "
-                          "headroom-warned, then the most changed")
+                          "headroom-warned, where spikes started, then the most changed")
 
 
 def module_heatmap(events: list, rank, stat: str = "rms", focus: Optional[dict] = None,
-                   max_rows: int = MAX_ROWS) -> Optional[dict]:
+                   max_rows: int = MAX_ROWS, spikes: Optional[list] = None) -> Optional[dict]:
     """The matrix of ``stat`` per module output and telemetry step (see the module docstring), or
     None when the log has no telemetry line of ``rank``.
 
@@ -133,21 +151,28 @@ def module_heatmap(events: list, rank, stat: str = "rms", focus: Optional[dict] 
     values), ``not_finite`` ([[bool] per step] per row), ``nonfinite`` ([[int] per step] per row),
     ``total_modules``, ``hidden`` (modules not drawn), ``rule`` (which rows were kept, in words),
     ``incident`` (None or ``{"step", "name", "kind", "phase", "module"}``; ``module`` None when no
-    row is its module), ``warnings`` (``[{"step", "module", "bits"}]`` of the rows drawn).
-    ``focus``: the summary's focus anomaly (its first incident is the one marked)."""
+    row is its module), ``warnings`` (``[{"step", "module", "bits"}]`` of the rows drawn), ``spikes``
+    (``[{"step", "module", "metrics", "module_metric", "module_ratio"}]`` of the rows drawn: one per
+    step and module, ``metrics`` the spiking metrics in order).
+    ``focus``: the summary's focus anomaly (its first incident is the one marked). ``spikes``: the
+    summary's spikes (:func:`~nanscan.report.summarize_log`'s ``spikes``), marked where they name a row."""
     check_heatmap_stat(stat)
     if rank is None:  # (a log of telemetry lines only: no step or incident line named the rank)
         rank = next((e.get("rank") for e in events if e.get("type") == "telemetry"), None)
     points = _telemetry_points(events, rank)
     if not points:
         return None
-    steps = sorted(points)
+    # (columns: the steps with module statistics; when none has any, every line's step, so that the
+    # text can say the lines hold none)
+    steps = sorted(st for st, scalars in points.items() if any(map(_module_scalar, scalars))) or sorted(points)
     col = {st: j for j, st in enumerate(steps)}
     order: dict = {}  # module -> place in model order (first seen: lines in file order, names in line order)
     logged: dict = {}  # (module, column) -> value
     broken: set = set()  # (module, column): the statistic was not finite (sent as <stat>_nonfinite)
     counts: dict = {}  # (module, column) -> non-finite values counted since the previous point
     for st, scalars in points.items():
+        if st not in col:
+            continue
         j = col[st]
         late = []
         for key, v in scalars.items():
@@ -193,13 +218,22 @@ def module_heatmap(events: list, rank, stat: str = "rms", focus: Optional[dict] 
                 and isinstance(e.get("step"), int) and e.get("name") in modules and _value(e.get("bits")) is not None:
             warned_at.append((modules[e["name"]], e["step"], float(e["bits"])))
 
+    spiked_at: dict = {}  # (row, step) -> the spikes that started there, in the summary's order
+    for sp in spikes or ():
+        if sp.get("name") in modules:
+            spiked_at.setdefault((modules[sp["name"]], sp["step"]), []).append(sp)
+
     flagged_rows = [[c > 0 or bad for c, bad in zip(cs, bads)] for cs, bads in zip(nonfinite, not_finite)]
     incident_row = modules.get(incident["module"]) if incident is not None else None
-    rows, rule = _pick_rows(names, values, flagged_rows, {r for r, _, _ in warned_at}, incident_row,
-                            HEATMAP_STATS[stat][1], max_rows)
+    rows, rule = _pick_rows(names, values, flagged_rows, {r for r, _, _ in warned_at}, {r for r, _ in spiked_at},
+                            incident_row, HEATMAP_STATS[stat][1], max_rows)
     kept = set(rows)
     return {"stat": stat, "what": HEATMAP_STATS[stat][0], "scale": HEATMAP_STATS[stat][1], "steps": steps,
             "modules": [names[r] for r in rows], "index": rows, "values": [values[r] for r in rows],
             "nonfinite": [nonfinite[r] for r in rows], "not_finite": [not_finite[r] for r in rows],
             "total_modules": len(names), "hidden": len(names) - len(rows), "rule": rule, "incident": incident,
-            "warnings": [{"step": st, "module": names[r], "bits": bits} for r, st, bits in warned_at if r in kept]}
+            "warnings": [{"step": st, "module": names[r], "bits": bits} for r, st, bits in warned_at if r in kept],
+            "spikes": [{"step": st, "module": names[r], "metrics": [sp["metric"] for sp in sps],
+                        "module_metric": sps[0].get("module_metric"), "module_ratio": sps[0].get("module_ratio")}
+                       for (r, st), sps in sorted(spiked_at.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+                       if r in kept]}

@@ -4,7 +4,8 @@ the timeline PNG (with the module heatmap, when the log has telemetry) inlined a
 Laid out for any window, never cut off at the right edge: each line of the text wraps (its
 continuation hangs under it, its indentation kept) and a long word -- a path, a module name --
 breaks where it must; the numbers before the failure are a real table with one row per step, so
-its width does not grow with the window of steps; the image scales down to the page. A headless
+its width does not grow with the window of steps; the spikes are a table with one row per spike,
+whose last column (the module where it started) wraps; the image scales down to the page. A headless
 browser checks this at a laptop's width and a narrow one (``tests/test_report_html.py``)."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import os
 from typing import Optional
 
 from nanscan.report.analysis import summarize_run
-from nanscan.report.text import Table, summary_blocks
+from nanscan.report.text import Listing, Table, summary_blocks
 
 STYLE = """
 body{font-family:sans-serif;margin:1.5em auto;padding:0 1.5em;max-width:1300px;overflow-wrap:anywhere}
@@ -23,9 +24,11 @@ h1{font-size:1.35em}
         background:#f6f6f6;padding:1em}
 .line{white-space:pre-wrap;padding-left:calc(var(--indent,0ch) + 2ch);text-indent:-2ch}
 table{border-collapse:collapse;margin:.2em 0 .4em calc(var(--indent,0ch) + 2ch)}
-th,td{padding:0 .7em;text-align:right;white-space:nowrap}
+th,td{padding:0 .7em;text-align:right;white-space:nowrap;vertical-align:baseline}
 th{font-weight:600;border-bottom:1px solid #bbb}
 th:first-child,td:first-child{text-align:left;padding-left:0}
+th.left,td.left{text-align:left}
+td.wrap{white-space:normal;overflow-wrap:anywhere}
 img{display:block;max-width:100%;height:auto;margin-top:1em}
 @media (max-width:640px){body{margin:.5em;padding:0}.report{padding:.5em;font-size:12px}th,td{padding:0 .35em}}
 """
@@ -45,9 +48,32 @@ def _table(table: Table, indent: int = 4) -> str:
     return f'<table style="--indent:{indent}ch"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _listing(listing: Listing, indent: int = 4) -> str:
+    """One row per item; the last column (a module name, a sentence) wraps, the others never do."""
+    last = len(listing.columns) - 1
+
+    def cls(i: int, align: str, cell: bool) -> str:
+        names = (["left"] if align == "<" else []) + (["wrap"] if cell and i == last else [])
+        return f' class="{" ".join(names)}"' if names else ""
+    head = "".join(f"<th{cls(i, align, False)}>{html.escape(label)}</th>"
+                   for i, (label, align) in enumerate(listing.columns))
+    body = "".join("<tr>" + "".join(f"<td{cls(i, align, True)}>{html.escape(cell)}</td>"
+                                    for i, (cell, (_, align)) in enumerate(zip(cells, listing.columns))) + "</tr>"
+                   for cells in listing.rows)
+    return f'<table style="--indent:{indent}ch"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _block(block) -> str:
+    if isinstance(block, Table):
+        return _table(block)
+    if isinstance(block, Listing):
+        return _listing(block)
+    return _line(block)
+
+
 def html_page(summary: dict, png: Optional[bytes] = None) -> str:
     """The page of a summary (a log's or a bundle's), with ``png`` (the PNG's bytes) inlined."""
-    blocks = "\n".join(_table(b) if isinstance(b, Table) else _line(b) for b in summary_blocks(summary))
+    blocks = "\n".join(_block(b) for b in summary_blocks(summary))
     image = ""
     if png is not None:
         hm = summary.get("heatmap")

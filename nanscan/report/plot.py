@@ -8,11 +8,14 @@ when the monitor logged headroom (``watch(..., headroom_bits=N)``), bits of head
 tensors closest to overflow, with the threshold, the warnings and the overflow marked. An empty
 panel would say only "not logged", at the cost of a quarter of the picture. Skipped updates are
 shaded on every panel, the focus step is a red line annotated with the module and phase,
-non-finite values are markers along a panel's top edge. When the log holds telemetry lines
-(``watch(..., telemetry=JSONL(log))``), a last panel is the module heatmap on the same step axis
-(:func:`_draw_heatmap`: one row per module output, rms on a log colour scale or headroom bits on a
-linear one, blank where nothing was logged). matplotlib is optional: without it,
-:func:`plot_report` raises an ``ImportError`` with the install hint and the text report still works."""
+non-finite values are markers along a panel's top edge, and the monitor's spike warnings
+(``watch(..., spikes=True)``) are gold stars on the loss or grad-norm panel, at the spiking value,
+with a dotted line down to the running baseline it was measured against. When the log holds
+telemetry lines (``watch(..., telemetry=JSONL(log))``), a last panel is the module heatmap on the
+same step axis (:func:`_draw_heatmap`: one row per module output, rms on a log colour scale or
+headroom bits on a linear one, blank where nothing was logged; a gold star on the module where a
+spike started). matplotlib is optional: without it, :func:`plot_report` raises an ``ImportError``
+with the install hint and the text report still works."""
 from __future__ import annotations
 
 import math
@@ -153,6 +156,40 @@ def _draw_headroom(ax, headroom: dict) -> None:
     ax.set_ylabel("headroom (bits)\nlog2(dtype max / amax)")
 
 
+SPIKE_COLOR = "#ffd700"  # gold, edged in black: seen on white and on every viridis cell, used by no other mark
+SPIKE_PANELS = {"loss": "loss", "grad_norm": "grad_norm"}  # a spike's metric -> the panel it is drawn on
+SPIKE_TOP = 0.88  # a star sits at most this high in its panel (fraction of the height): never cut by the top edge
+SPIKE_X_ROOM = 0.012  # room kept left and right of a star at the first or last step (fraction of the steps' span)
+
+
+def _room_above(ax, top: float) -> None:
+    """Raise the panel's upper limit so that a mark at ``top`` sits at most SPIKE_TOP of its height."""
+    lo, hi = ax.get_ylim()
+    log = ax.get_yscale() == "log"
+    f = math.log10 if log else float
+    span = f(hi) - f(lo)
+    if span > 0 and (f(top) - f(lo)) / span > SPIKE_TOP:
+        new = f(lo) + (f(top) - f(lo)) / SPIKE_TOP
+        ax.set_ylim(lo, 10 ** new if log else new)
+
+
+def _mark_spikes(panels: dict, spikes: list) -> None:
+    """Each spike as a star at its value on its metric's panel, a dotted line from its running
+    baseline up to it (how far above the baseline it was). A spike whose panel is not drawn (its
+    metric was not logged by the steps) stays in the text."""
+    for metric, panel in SPIKE_PANELS.items():
+        ax = panels.get(panel)
+        mine = [sp for sp in spikes if sp["metric"] == metric]
+        if ax is None or not mine:
+            continue
+        xs = [sp["step"] for sp in mine]
+        ax.vlines(xs, [sp["baseline"] for sp in mine], [sp["value"] for sp in mine], colors="0.25", linestyles=":",
+                  lw=1.2, zorder=4)
+        ax.scatter(xs, [sp["value"] for sp in mine], marker="*", s=150, color=SPIKE_COLOR, edgecolors="black",
+                   linewidths=0.8, zorder=6, label="spike (dotted: down to its running baseline)")
+        _room_above(ax, max(sp["value"] for sp in mine))
+
+
 HEATMAP_CMAP = "viridis"
 NONFINITE_COLOR = "#d62728"  # red: not in viridis, as the incident line and the NaN markers elsewhere
 WARNING_COLOR = "#ff7f0e"
@@ -193,7 +230,8 @@ def _draw_heatmap(ax, fig, hm: dict, height_in: float) -> None:
     out), one cell per telemetry step centred on it: the logged value's colour, blank where nothing
     was logged, pink where the statistic was not finite, black for an rms of 0. Marks: a red x on a
     cell whose module counted non-finite values since the previous point, a hollow red square on the
-    incident's module at its step, an orange triangle where the monitor warned about its headroom.
+    incident's module at its step, an orange triangle where the monitor warned about its headroom, a
+    gold star on the module where a spike started, at the spike's step.
     The colour bar sits below, so the panel keeps the timeline's width and step axis."""
     import numpy as np
     from matplotlib import colormaps
@@ -245,6 +283,12 @@ def _draw_heatmap(ax, fig, hm: dict, height_in: float) -> None:
     if warned:
         ax.scatter([x for x, _ in warned], [y for _, y in warned], marker="v", s=small, color=WARNING_COLOR,
                    edgecolors="black", linewidths=0.6, zorder=5, label="headroom warning (module output)")
+    spiked = [(sp["step"], row_of[sp["module"]]) for sp in hm.get("spikes") or () if sp["module"] in row_of]
+    if spiked:
+        # (a star as wide as the cell at most: whole inside the first and last rows)
+        ax.scatter([x for x, _ in spiked], [y for _, y in spiked], marker="*", s=min(100.0, max(16.0, cell ** 2)),
+                   color=SPIKE_COLOR, edgecolors="black", linewidths=0.7, zorder=5.5,
+                   label="spike: where it started (module output)")
     inc = hm["incident"]
     if inc is not None and inc["module"] in row_of:
         ax.scatter([inc["step"]], [row_of[inc["module"]]], marker="s", s=big, facecolors="none",
@@ -433,6 +477,7 @@ def timeline_figure(summary: dict, title: Optional[str] = None):
     axes[-1].set_xlabel("step")
     _shade_skipped(list(axes), summary["skipped_steps"], width)
     _mark_focus(list(axes), summary, span)
+    _mark_spikes(panels, summary.get("spikes") or [])
     _legend(fig, panels, lr_lines)
     hm = _heatmap(summary)
     if steps or hm is not None:
@@ -440,6 +485,10 @@ def timeline_figure(summary: dict, title: Optional[str] = None):
         if steps:
             lo.append(steps[0] - width)
             hi.append(steps[-1] + width)
+        marked = [sp["step"] for sp in summary.get("spikes") or [] if SPIKE_PANELS.get(sp["metric"]) in panels]
+        if marked:  # (a star at the first or last step of a long run: whole, not cut by the panel's edge)
+            lo.append(min(marked) - SPIKE_X_ROOM * max(span, 1))
+            hi.append(max(marked) + SPIKE_X_ROOM * max(span, 1))
         if hm is not None:
             edges = _edges(hm["steps"])
             lo.append(edges[0])

@@ -2,8 +2,9 @@
 
 :func:`bundle_text` is the one renderer of a capture bundle: ``nanscan show BUNDLE`` and
 ``nanscan report BUNDLE`` both print it (and the demo). :func:`summary_blocks` is the text before it
-is laid out -- lines, and the table of what preceded the focus step as a :class:`Table` -- so that
-the HTML page (:mod:`nanscan.report.html`) says the same words with a real table."""
+is laid out -- lines, the table of what preceded the focus step as a :class:`Table`, the spikes as
+a :class:`Listing` -- so that the HTML page (:mod:`nanscan.report.html`) says the same words with
+real tables."""
 from __future__ import annotations
 
 import math
@@ -108,6 +109,14 @@ class Table(NamedTuple):
     rows: list
 
 
+class Listing(NamedTuple):
+    """Rows of cells under a header, one row per item (the spikes): ``columns`` ((label, align),
+    align ``"<"`` or ``">"``) and ``rows`` ([cell text] each). The text lays it out in aligned
+    columns; the HTML page as a table whose last column wraps."""
+    columns: list
+    rows: list
+
+
 PRECEDING_ROWS = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "lr"))
 
 
@@ -163,6 +172,26 @@ def _preceding_blocks(p: dict, step) -> list:
 def _table_lines(table: Table) -> list:
     return ([f"    {'step':<11}" + " ".join(f"{x:>9}" for x in table.steps)]
             + [f"    {label:<11}" + " ".join(f"{c:>9}" for c in cells) for label, cells in table.rows])
+
+
+def _listing_lines(listing: Listing) -> list:
+    """The header and the rows in columns as wide as their widest cell (the last one unpadded)."""
+    labels = [label for label, _ in listing.columns]
+    widths = [max(len(cell) for cell in column) for column in zip(labels, *listing.rows)]
+    last = len(labels) - 1
+
+    def line(cells) -> str:
+        return "    " + "  ".join(cell if i == last and align == "<" else f"{cell:{align}{width}}"
+                                  for i, (cell, (_, align), width) in enumerate(zip(cells, listing.columns, widths)))
+    return [line(labels)] + [line(cells) for cells in listing.rows]
+
+
+def _block_lines(block) -> list:
+    if isinstance(block, Table):
+        return _table_lines(block)
+    if isinstance(block, Listing):
+        return _listing_lines(block)
+    return [block]
 
 
 def _anomaly_lines(label: str, a: dict) -> list:
@@ -266,6 +295,34 @@ def _headroom_lines(headroom: Optional[dict]) -> list:
     return lines
 
 
+SPIKES_LISTED = 20  # spikes listed at most; the summary's "spikes" holds them all
+SPIKE_COLUMNS = (("step", ">"), ("metric", "<"), ("value", ">"), ("baseline", ">"), ("x baseline", ">"),
+                 ("where it started", "<"))
+
+
+def _spike_started(sp: dict) -> str:
+    """Where a spike started: the module whose output departed first, by how much; or that none did."""
+    if sp.get("name") is None:
+        return "no module departed"
+    what = f"output {sp['module_metric']}" if sp.get("module_metric") else "output"
+    ratio = sp.get("module_ratio")
+    return f"{sp['name']} ({what} {_fmt(ratio, 3)}x its baseline)" if ratio is not None else f"{sp['name']} ({what})"
+
+
+def _spikes_blocks(spikes: Optional[list]) -> list:
+    """The monitor's spike warnings: a line, then one row per spike (the first SPIKES_LISTED)."""
+    if not spikes:
+        return []
+    rows = [[str(sp["step"]), sp["metric"].replace("_", " "), _fmt(sp["value"]), _fmt(sp["baseline"]),
+             f"{_fmt(sp['ratio'], 3)}x", _spike_started(sp)] for sp in spikes[:SPIKES_LISTED]]
+    blocks = [f"spikes ({len(spikes)}): loss or grad norm far above its running baseline, and where it started:",
+              Listing(list(SPIKE_COLUMNS), rows)]
+    rest = spikes[SPIKES_LISTED:]
+    if rest:
+        blocks.append(f"    ... {len(rest)} more (steps {_ranges(sp['step'] for sp in rest)})")
+    return blocks
+
+
 def _heatmap_lines(hm: Optional[dict]) -> list:
     """Where the plot's module heatmap comes from, in one line (none without telemetry lines)."""
     if hm is None:
@@ -290,6 +347,7 @@ def _log_blocks(summary: dict) -> list:
             "no step records: cannot tell whether the run stayed finite"]
     lines += _updates_lines(summary)
     lines += _headroom_lines(summary.get("headroom"))
+    lines += _spikes_blocks(summary.get("spikes"))
     lines += _heatmap_lines(summary.get("heatmap"))
     first, unhandled = summary["first_anomaly"], summary["first_unhandled_anomaly"]
     verdict = summary["verdict"]
@@ -313,7 +371,8 @@ def _log_blocks(summary: dict) -> list:
 
 
 def summary_blocks(summary: dict) -> list:
-    """The report's text before layout: lines (str, indented by leading spaces) and :class:`Table` s."""
+    """The report's text before layout: lines (str, indented by leading spaces), :class:`Table` s and
+    :class:`Listing` s."""
     if summary["source"] == "bundle":
         return bundle_text(summary).splitlines()
     return _log_blocks(summary)
@@ -325,7 +384,7 @@ def format_summary(summary: dict) -> str:
         return bundle_text(summary)
     lines: list = []
     for block in _log_blocks(summary):
-        lines += _table_lines(block) if isinstance(block, Table) else [block]
+        lines += _block_lines(block)
     return "\n".join(lines) + "\n"
 
 
