@@ -17,18 +17,33 @@ def sumsq_rtol(x: torch.Tensor) -> float:
     return 1e-12 if (real.dtype == torch.float64 or not real.dtype.is_floating_point) else 1e-4
 
 
+def abs_sum(x: torch.Tensor) -> float:
+    """Sum of |x_i| over the finite elements of x in float64: the scale of ``sum``'s rounding error
+    (a signed sum can cancel to far below its terms, so its tolerance is relative to this)."""
+    real = torch.view_as_real(x) if x.is_complex() else x
+    vals = real.detach().reshape(-1).cpu().to(torch.float64)
+    return float(torch.where(torch.isfinite(vals), vals.abs(), 0).sum())
+
+
 def assert_record_matches(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, what: str = "") -> None:
-    """Every field exact (counts, min, max, first index) but sumsq, which matches within
-    ``sumsq_rtol`` and is +inf exactly when the reference overflowed."""
+    """Every field exact (counts, min, max, first index) but the sums: sumsq and sum4 match within
+    ``sumsq_rtol`` and are +inf exactly when the reference overflowed; sum matches within
+    ``sumsq_rtol`` of the sum of the finite |x_i| (see :func:`abs_sum`), and is non-finite exactly
+    when the reference's is."""
     got, want = got.detach().cpu().tolist(), want.detach().cpu().tolist()
     for field in Field:
         g, w = got[field], want[field]
         label = f"{what} {field.name}: got {g}, reference {w} (dtype {x.dtype}, shape {tuple(x.shape)})"
-        if field is Field.SUMSQ:
+        if field in (Field.SUMSQ, Field.SUM4):
             if math.isinf(w) or math.isinf(g):
                 assert g == w, label
             else:
                 assert math.isclose(g, w, rel_tol=sumsq_rtol(x), abs_tol=1e-30), label
+        elif field is Field.SUM:
+            if not (math.isfinite(w) and math.isfinite(g)):
+                assert g == w or (math.isnan(g) and math.isnan(w)), label
+            else:
+                assert abs(g - w) <= sumsq_rtol(x) * abs_sum(x) + 1e-30, label
         else:
             assert g == w, label
 
