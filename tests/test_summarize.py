@@ -468,3 +468,31 @@ def test_sum_and_sum4_are_as_accurate_on_every_layout(backend, device, dtype):
         for how, rec in (("record", one), ("records", row)):
             assert abs(rec[9].item() - want4) / want4 <= bound4, (name, how, "sum4")
             assert abs(rec[8].item() - want1) / scale <= bound1, (name, how, "sum")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_min_max_and_zeros_of_16_bit_values_of_every_sign(backend, device, dtype):
+    """The CPU kernel takes the min / max / zero count of fp16 / bf16 vectors from their raw bits
+    (sign-magnitude as signed and unsigned integers): all negative, all positive, all -0.0, mixed
+    signed zeros, tiny subnormals and the format's extremes, over the vector path and its tail."""
+    gen = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    cases = {
+        "negative": -(torch.rand(1000, generator=gen) + 0.5),
+        "positive": torch.rand(1000, generator=gen) + 0.5,
+        "minus_zero": torch.full((1000,), -0.0),
+        "signed_zeros": torch.where(torch.rand(1000, generator=gen) < 0.5, 0.0, -0.0),
+        "zeros_and_negative": torch.cat([torch.zeros(500), -torch.rand(500, generator=gen) - 1]),
+        "subnormal": torch.full((1000,), float(torch.finfo(dtype).smallest_normal) / 4) * torch.sign(
+            torch.randn(1000, generator=gen)),
+        "extremes": torch.tensor([big, -big] * 500),
+    }
+    for name, v in cases.items():
+        for n in (1000, 997, 40):
+            x = v[:n].to(dtype).to(device)
+            got = nanscan.record(x, backend=backend)
+            assert_record_matches(got, reference.summarize(x), x, f"{backend} {name} n={n}")
+            want = x.cpu().float()
+            assert got[4].item() == want.min().item() and got[5].item() == want.max().item(), name
+            assert got[3].item() == (want == 0).sum().item(), name

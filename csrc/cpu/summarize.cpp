@@ -194,9 +194,10 @@ inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at
 }
 
 // Vectorized fast path, written for the common case of a chunk with no NaN, no Inf and no
-// overflowing square: min / max / zero count / the three sums run over raw lanes with no masking,
-// eight instructions per vector of lanes (min, max, compare + integer subtract for the zero count,
-// FMA for the square, multiply + FMA for the fourth power, add for the sum). A NaN or ±Inf input
+// overflowing square: min / max / the three sums (VecState) and the zero count (ZeroCount; fp16 /
+// bf16: Raw16) run over raw lanes with no masking, eight instructions per vector of lanes (min, max,
+// FMA for the square, multiply + FMA for the fourth power, add for the sum, compare + integer
+// subtract for the zero count). A NaN or ±Inf input
 // makes its lane's sum of squares NaN or +inf, so "every lane's sumsq is finite" proves the chunk
 // clean; otherwise (a non-finite input, or finite squares that overflowed FP32) the chunk is
 // rescanned by the scalar path, which classifies every element. Those are the rare cases; at worst
@@ -210,19 +211,17 @@ struct VecState {
   Vec vmin = Vec(std::numeric_limits<acc_t>::infinity());
   Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
   Vec sumsq = Vec(acc_t(0)), sum = Vec(acc_t(0)), sum4 = Vec(acc_t(0));  // this block's sums, per lane
-  IVec neg_zeros = IVec(0);  // minus the zero count: each true lane of (v == 0) adds -1
   // The finished blocks' sums, per lane: touched once per block, kept out of the element loop's registers.
   Vec blocks_sumsq = Vec(acc_t(0)), blocks_sum = Vec(acc_t(0)), blocks_sum4 = Vec(acc_t(0));
 
   inline void add(const Vec& v) {
-    add_values(v);
-    neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
-  }
-
-  // Everything but the zero count (which 16-bit inputs count before widening: ZeroCount16).
-  inline void add_values(const Vec& v) {
     vmin = at::vec::clamp_max(vmin, v);  // min(vmin, v); NaN lanes only matter on the rescan
     vmax = at::vec::clamp_min(vmax, v);
+    add_sums(v);
+  }
+
+  // The three sums only (fp16 / bf16 take the rest from their raw lanes: Raw16).
+  inline void add_sums(const Vec& v) {
     sumsq = at::vec::fmadd(v, v, sumsq);
     const Vec x2 = v * v;  // the square rounded to acc_t, as the scalar path's: x**4 = x2 * x2
     sum4 = at::vec::fmadd(x2, x2, sum4);
@@ -247,17 +246,13 @@ struct VecState {
     for (auto& state : states) state.end_block();
     Vec vmin = states[0].vmin, vmax = states[0].vmax;
     Vec sumsq = states[0].blocks_sumsq, sum = states[0].blocks_sum, sum4 = states[0].blocks_sum4;
-    IVec neg_zeros = states[0].neg_zeros;
     for (size_t k = 1; k < N; ++k) {
       vmin = at::vec::clamp_max(vmin, states[k].vmin);
       vmax = at::vec::clamp_min(vmax, states[k].vmax);
       sumsq = sumsq + states[k].blocks_sumsq;  // (squares are >= 0: the sum is finite iff every part is)
       sum = sum + states[k].blocks_sum;
       sum4 = sum4 + states[k].blocks_sum4;
-      neg_zeros = neg_zeros + states[k].neg_zeros;
     }
-    at::vec::int_same_size_t<acc_t> lzero[n];
-    neg_zeros.store(lzero);
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<acc_t, float>) {
       // Three shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
@@ -271,9 +266,6 @@ struct VecState {
                                   [](const Vec& a, const Vec& b) { return at::vec::clamp_max(a, b); }, vmin)));
       p.max = std::max(p.max, static_cast<double>(at::vec::vec_reduce_all<float>(
                                   [](const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }, vmax)));
-      int64_t zeros = 0;
-      for (int i = 0; i < n; ++i) zeros -= lzero[i];
-      p.zero += zeros;
       return true;
     }
 #endif
@@ -292,30 +284,78 @@ struct VecState {
       p.sumsq += lsq[i];
       p.sum += lsum[i];
       p.sum4 += lsum4[i];
-      p.zero -= static_cast<int64_t>(lzero[i]);
     }
     return true;
   }
 };
 
+// The zero count of a vector loop, one counter for all its accumulator sets (its chain is one integer
+// add per vector: no latency to hide): each true lane of (v == 0) adds -1. A lane counts at most
+// kChunk / Vec::size() elements: exact in its integer type.
+template <typename acc_t>
+struct ZeroCount {
+  using Vec = at::vec::Vectorized<acc_t>;
+  using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
+  IVec neg_zeros = IVec(0);
+
+  inline void add(const Vec& v) { neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0))); }
+
+  inline void write(Partial<acc_t>& p) const {
+    at::vec::int_same_size_t<acc_t> lanes[IVec::size()];
+    neg_zeros.store(lanes);
+    for (int i = 0; i < IVec::size(); ++i) p.zero -= static_cast<int64_t>(lanes[i]);
+  }
+};
+
 #if defined(CPU_CAPABILITY_AVX2)
-// The zero count of fp16 / bf16 vectors, taken on their raw 16-bit lanes before they are widened:
-// (bits << 1) == 0 is +-0 in both formats. Three instructions per 16 elements, one counter for all
-// the accumulator sets (the widened floats would take two compares, two adds and a counter per set:
-// registers that AVX2's 16 do not have for two sets -- the set that did not fit was spilled to the
-// stack inside the loop, and its chains waited on store-to-load forwarding). A 16-bit lane counts at
-// most one element per vector, so it is folded into 32 bits every block (<= 256 vectors).
-struct ZeroCount16 {
-  __m256i count = _mm256_setzero_si256();
+// The zero count, min and max of fp16 / bf16 vectors, taken on their raw 16-bit lanes before they are
+// widened, one set for all the accumulator sets: six integer instructions per 16 elements where the
+// widened floats take eight (two compares, two adds, two min, two max), and a set of registers per
+// accumulator set that AVX2's 16 do not have (a set that does not fit is spilled to the stack inside
+// the loop, its chains waiting on store-to-load forwarding).
+//   zeros: (bits << 1) == 0 is +-0 in both formats; a 16-bit lane counts at most one element per
+//     vector, so it is folded into 32 bits every block (<= 256 vectors).
+//   min / max: both formats are sign-magnitude, so as signed 16-bit integers the non-negative values
+//     order as their floats (and above every negative one), and as unsigned integers the negative
+//     values order by magnitude (above every non-negative one). The largest float is the signed
+//     maximum when it is >= 0, else (all negative) the unsigned minimum; the smallest float is the
+//     unsigned maximum when it is negative, else (none negative) the unsigned minimum. Exact; a NaN
+//     or Inf lane does not matter (such a chunk is rescanned).
+struct Raw16 {
+  __m256i zeros16 = _mm256_setzero_si256(), zeros32 = _mm256_setzero_si256();
+  __m256i smax = _mm256_set1_epi16(INT16_MIN), umin = _mm256_set1_epi16(-1), umax = _mm256_setzero_si256();
 
   inline void add(__m256i raw) {
-    count = _mm256_sub_epi16(count, _mm256_cmpeq_epi16(_mm256_add_epi16(raw, raw), _mm256_setzero_si256()));
+    zeros16 = _mm256_sub_epi16(zeros16, _mm256_cmpeq_epi16(_mm256_add_epi16(raw, raw), _mm256_setzero_si256()));
+    smax = _mm256_max_epi16(smax, raw);
+    umin = _mm256_min_epu16(umin, raw);
+    umax = _mm256_max_epu16(umax, raw);
   }
 
-  // Moves the count into a state's (negated, 32-bit) zero count.
-  inline void fold_into(VecState<float>& state) {
-    state.neg_zeros = state.neg_zeros - at::vec::Vectorized<int32_t>(_mm256_madd_epi16(count, _mm256_set1_epi16(1)));
-    count = _mm256_setzero_si256();
+  inline void end_block() {
+    zeros32 = _mm256_add_epi32(zeros32, _mm256_madd_epi16(zeros16, _mm256_set1_epi16(1)));
+    zeros16 = _mm256_setzero_si256();
+  }
+
+  // Adds the zero count, min and max to p.
+  template <typename scalar_t>
+  void write(Partial<float>& p) {
+    end_block();
+    int32_t z[8];
+    int16_t sm[16];
+    uint16_t un[16], ux[16];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z), zeros32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm), smax);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(un), umin);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ux), umax);
+    for (int i = 0; i < 8; ++i) p.zero += z[i];
+    const int16_t hs = *std::max_element(sm, sm + 16);
+    const uint16_t hn = *std::min_element(un, un + 16), hx = *std::max_element(ux, ux + 16);
+    const auto as_float = [](uint16_t bits) {
+      return static_cast<double>(static_cast<float>(scalar_t(bits, scalar_t::from_bits())));
+    };
+    p.max = std::max(p.max, hs >= 0 ? as_float(static_cast<uint16_t>(hs)) : as_float(hn));
+    p.min = std::min(p.min, hx >= 0x8000 ? as_float(hx) : as_float(hn));
   }
 };
 #endif
@@ -328,35 +368,32 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
   if constexpr (kVectorized<scalar_t>) {
     using In = at::vec::Vectorized<scalar_t>;
     // Two independent accumulator sets: enough to hide the FMA / add latency of the loop-carried
-    // chains behind eight instructions per vector, and few enough registers for AVX2's 16 -- 2 x 6
-    // accumulators (2 x 5 and one zero counter for fp16 / bf16), the loaded vector and temporaries;
-    // a set that does not fit is spilled to the stack inside the loop, which costs more than the
-    // latency the extra set would hide (four sets did).
+    // chains behind eight instructions per vector, and few enough registers for AVX2's 16 -- 2 x 5
+    // accumulators and one zero counter (2 x 3 sums and one Raw16 set for fp16 / bf16), the loaded
+    // vector and temporaries; a set that does not fit is spilled to the stack inside the loop, which
+    // costs more than the latency the extra set would hide (four sets did).
     constexpr int64_t kUnroll = 2;
     constexpr int64_t kStep = kUnroll * In::size();
     VecState<acc_t> states[kUnroll];
+    ZeroCount<acc_t> zeros;
 #if defined(CPU_CAPABILITY_AVX2)
     constexpr bool kRaw16 = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
-    ZeroCount16 zeros16;
-    const auto fold_zeros = [&] {
-      if constexpr (kRaw16) zeros16.fold_into(states[0]);
-    };
-#else
-    const auto fold_zeros = [] {};
+    struct None {};
+    std::conditional_t<kRaw16, Raw16, None> raw16;  // fp16 / bf16: zero count, min and max (zeros unused)
 #endif
     auto add = [&](VecState<acc_t>& state, const scalar_t* src) {
 #if defined(CPU_CAPABILITY_AVX2)
       if constexpr (kRaw16) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        zeros16.add(raw);
+        raw16.add(raw);
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
           // instructions. The lanes come out permuted, which no field depends on.
-          state.add_values(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
-          state.add_values(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+          state.add_sums(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
+          state.add_sums(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
         } else {
-          state.add_values(_mm256_cvtph_ps(_mm256_castsi256_si128(raw)));
-          state.add_values(_mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1)));
+          state.add_sums(_mm256_cvtph_ps(_mm256_castsi256_si128(raw)));
+          state.add_sums(_mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1)));
         }
         return;
       }
@@ -364,10 +401,13 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
       const In v = In::loadu(src);
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         state.add(v);
+        zeros.add(v);
       } else {
         auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
         state.add(lo);
+        zeros.add(lo);
         state.add(hi);
+        zeros.add(hi);
       }
     };
     // A step gives every lane In::size() / Vec::size() elements (two for fp16 / bf16, widened into
@@ -382,16 +422,26 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
         for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
       }
       for (auto& state : states) state.end_block();
-      fold_zeros();
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kRaw16) raw16.end_block();
+#endif
     }
     // The whole vectors left (all of a tensor shorter than one unrolled step: a bias, an
     // activation of a small layer) go into the first state; only the last partial vector is scalar.
     const int64_t vec_end = begin + (end - begin) / In::size() * In::size();
     for (int64_t i = unrolled_end; i < vec_end; i += In::size()) add(states[0], data + i);
-    fold_zeros();
     if (vec_end > begin) {  // (a tensor shorter than one vector has no vector part to reduce)
       Partial<acc_t> vec_part;
       if (VecState<acc_t>::flush(states, vec_part)) {
+#if defined(CPU_CAPABILITY_AVX2)
+        if constexpr (kRaw16) {
+          raw16.template write<scalar_t>(vec_part);
+        } else {
+          zeros.write(vec_part);
+        }
+#else
+        zeros.write(vec_part);
+#endif
         p.merge(vec_part);
       } else {
         scan_scalar<scalar_t>(begin, vec_end, p, load, map);  // a NaN, an Inf, or an FP32 overflow
