@@ -252,6 +252,7 @@ def test_records_are_device_tensors_without_host_sync():
 def test_readme_example():
     s = nanscan.summarize(torch.tensor([1.0, float("nan"), 1e20]))
     assert (s.nan_count, s.first_nonfinite_index, s.sumsq_overflowed) == (1, 1, True)
+    assert s.mean == pytest.approx(5e19) and s.kurtosis is None and s.sum4_overflowed
     json.dumps(s.to_dict(), allow_nan=False)
     model = torch.nn.Linear(3, 2)
     summaries = nanscan.summarize_many(list(model.parameters()))

@@ -383,20 +383,25 @@ __device__ __forceinline__ bool last_block(unsigned int* ticket) {
 // (see the setup.py build log) plus `-Xptxas -v`, and `cuobjdump -sass` on the object. Earlier
 // counts: benchmarks/results/HISTORY.md.
 // Registers, summarize_kernel contiguous / dense (permuted) / strided, __launch_bounds__(256, 4):
-//   bf16 56 / 64 / 64, fp16 56 / 64 / 64, fp32 56 / 64 / 64, fp64 61 / 64 / 64, float8 e4m3fn
-//   56 / 64 / 64, e5m2 56 / 64 / 64, fnuz 55 / 64 / 64, integers 56 - 64; scan_many_kernel bf16 52,
-//   fp32 52, fp64 64, integers 47 - 64; combine_kernel 48.
-//   No spill in any element loop of the first pass (SASS: no STL / LDL inside any loop that loads
-//   from global memory); the dense / strided kernels store a few words per chunk and run (values of
-//   the chunk loop, arguments of the not-inlined classifying pass). The classifying pass of strided
-//   walks spills inside its loops: fp32 24 spill instructions, fp64 44 / 55 in its two loops, fnuz
-//   8 / 14 -- a chunk with a NaN / Inf only.
+//   bf16 63 / 64 / 64, fp16 62 / 64 / 64, fp32 62 / 64 / 64, fp64 64 / 64 / 64, float8 e4m3fn
+//   62 / 64 / 64, e5m2 62 / 64 / 64, fnuz 64 / 64 / 64, integers 62 - 64; scan_many_kernel bf16 54,
+//   fp32 55, fp64 64, float8 53, integers 54 - 64; combine_kernel 52 (fp32 partials) / 60 (fp64).
+//   No spill in any element loop of the first pass but one that is cold (SASS: no STL / LDL inside
+//   any innermost loop that loads from global memory, except two LDL per 4 elements in the scalar
+//   head / tail loop of bf16 dense, which reads at most one element per thread of a chunk unless the
+//   pointer is not element-aligned); the dense / strided kernels store a few words per chunk and run
+//   (values of the chunk loop, arguments of the not-inlined classifying pass: 24 - 40 bytes, 80 - 144
+//   of stack for fp32 / fp64 / fnuz strided). The classifying pass (not inlined) of strided walks
+//   spills, ptxas's bytes of spill stores / loads: fp32 76 / 240, fp64 340 / 536, fnuz 56 / 108 --
+//   a chunk with a NaN / Inf only.
 // Hot loop (contiguous, a full round of 4 x LDG.128 per thread), SASS instructions per element:
-//   bf16  3.75: FFMA 1, bf16 -> fp32 1 (IMAD.U32 / LOP3), VHMNMX.BF16_V2 0.5 (three-input: min or
-//         max of two pairs at once), HSET2 0.5 + HADD2 / HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
-//   fp16  3.75: the same with HADD2.F32 for the conversions;
-//   float8 e4m3fn / e5m2  4.4: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
-//   fp32  6.5: FFMA 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;  fp64 21.4.
+//   bf16  6.88: FFMA 2, FMUL 1, FADD 1 (the three sums), bf16 -> fp32 1 (IMAD.U32 / LOP3),
+//         VHMNMX.BF16_V2 0.5 (three-input: min or max of two pairs at once), HSET2 0.5 + HADD2 /
+//         HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
+//   fp16  6.88: the same with HADD2.F32 for the conversions;
+//   float8 e4m3fn / e5m2  7.41: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
+//   fp32  9.5: FFMA 2, FMUL 1, FADD 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;
+//   fp64 23.6.
 //   Runs (See Note [runs]) add per 256 elements of a thread a fold of the packed lanes and a few
 //   shared-memory accesses, outside these loop bodies.
 

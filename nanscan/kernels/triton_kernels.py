@@ -2,7 +2,7 @@
 that they and their launcher (:mod:`nanscan.kernels.triton`, which validates inputs and launches
 them) share.
 
-Each record (float64 ``[8]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
+Each record (float64 ``[10]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
 deterministic stages, with no atomics:
 
 stage 1 (``_stage1_kernel``)
@@ -10,23 +10,25 @@ stage 1 (``_stage1_kernel``)
     elements, a tile four 16-byte loads per thread (full tiles are loaded without a mask, so they
     vectorize; the rest of a chunk, < BLOCK elements, is read one masked load at a time), and
     writes one partial: nan / +inf / -inf / zero counts and the first non-finite index (int64),
-    finite min, finite max and sum of squares (stored as float64; min/max are exact, and the sum
-    of squares of a float32-accumulated chunk is a float32 value, so it is stored exactly too).
-    Like the CPU and CUDA kernels it assumes the chunk is clean and proves it afterwards: the fast
-    pass keeps only per-lane zero counts and min / max / sum of squares of the raw values; a NaN
+    finite min, finite max and the sums of squares, values and fourth powers (stored as float64;
+    min/max are exact, and the sums of a float32-accumulated chunk are float32 values, so they are
+    stored exactly too). Like the CPU and CUDA kernels it assumes the chunk is clean and proves it
+    afterwards: the fast pass keeps only the zero count, min / max (one lane per thread) and the
+    three sums (one lane per element of a load: at most 256 elements each) of the raw values; a NaN
     or +-inf element turns its lane's sum of squares NaN or +inf, so only a chunk whose sum of
     squares is not finite (a non-finite element, or squares that overflowed) is read a second
     time, classifying every element (``_rescan``). With every element non-finite a chunk is read
     twice; integer chunks never are.
 stage 2 (``_stage2_kernel``)
     One program per tensor combines that tensor's partials in a fixed order (counts in int64, the
-    sum of squares in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
+    sums in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
     record with the raw conventions (min = +inf / max = -inf without a finite element, first = -1
     without a non-finite one).
 
-Numerics: elements are compared and squared in float32 for fp32 / fp16 / bf16 / float8 (so
-``1e20**2`` is +inf and sumsq may be +inf from overflow), in float64 for fp64, integer and bool
-inputs; the per-lane float32 order differs from torch's pairwise sum by a few ulps * chunk length.
+Numerics: elements are compared, squared and summed in float32 for fp32 / fp16 / bf16 / float8 (so
+``1e20**2`` is +inf and sumsq may be +inf from overflow, sum4 from ``|x|`` ~ 4.3e9), in float64 for
+fp64, integer and bool inputs; the per-lane float32 order differs from torch's pairwise sum by a few
+ulps * chunk length.
 Integer inputs are converted to float64 in the kernel: ``finite_min`` / ``finite_max`` of int64
 values with ``|x| > 2**53`` are rounded to the nearest float64 (as in every backend: records are
 float64). Complex inputs are summarized as ``torch.view_as_real(x)``. float8 inputs
@@ -41,9 +43,9 @@ The launch grid (H200: 132 SMs; numbers for sm_90, triton 3.8, 4-warp programs).
 program per chunk, and the chunking -- so the fp32 merge order of the sum of squares -- is a
 function of numel and dtype only (the launcher's ``_iters_for``: [2048, 4096) chunks for tensors of 2048 tiles or
 more, up to _MAX_ITERS tiles per chunk). The hardware keeps 65536 / (32 * regs rounded up to 8) /
-4 programs of a stage-1 kernel resident per SM: 12 at 40 registers (fp32, fp64), 9 at 54-56
-(int32, bool), 8 at 64 (fp16), 7 at 65-72 (bf16 uncapped: 70, and fp16 / bf16 on triton 3.6).
-A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
+4 programs of a stage-1 kernel resident per SM: 10 at 46-48 registers (fp32, fp64, float8, int32),
+8 at 57-64 (bf16 and fp16 capped at 64, bool 60), 7 at 65-72 and 6 at 73-80 (bf16 / fp16 uncapped:
+71 / 80). A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
 waves whose last one holds 1.5 programs per SM: each program keeps 8 KiB in flight, and by
 Little's law (4.8 TB/s * ~650 ns) ~3 per SM are needed to keep HBM busy, so the last wave runs at
 about half bandwidth (an estimate, not a measurement).
@@ -68,14 +70,16 @@ What was considered:
   stage 2 still reads <= 4096 partials per tensor, 8 loads per 256), and the occupancy that sets
   the wave count goes up where it was lost: fp16 / bf16 stage-1 kernels are compiled with
   ``maxnreg=64`` (_MAXNREG), so bf16 takes 64 registers and keeps 8 programs per SM: 16M bf16 is
-  1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5, and fp16
-  stays at 8 on triton 3.6 as well. The cost: one 32-bit spill outside the loops (one STL / LDL
-  per chunk) and one more instruction in the fast loop (237). The four block reductions at the
-  end of a chunk are one ``tl.reduce`` of four operands (4 barriers per chunk, where four separate
-  reductions take 8, for the same ~105 instructions; the sum's order is a function of BLOCK and
-  _NUM_WARPS only). Other sizes and dtypes keep their waves (fp32 16M: 1.29 waves, the last
-  at 3.5 programs per SM, enough to keep HBM busy). To be confirmed on a GPU: the compiled bf16 /
-  fp16 kernels' n_regs (64) on triton 3.6, and that bf16 16M is faster, not slower, capped.
+  1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5 (fp16: 6 ->
+  8). The cost: a few 32-bit spills outside the fast loop (bf16: two STL / LDL per chunk; fp16: three,
+  two of them in the rescan's loop, which only a chunk with a NaN / Inf runs) and two more
+  instructions in the fast loop (333). The six block reductions at the end of a chunk are one
+  ``tl.reduce`` of six operands (one round trip through shared memory, where six separate reductions
+  take six; the sums' order is a function of BLOCK and _NUM_WARPS only). Other dtypes are not
+  capped: fp32 / fp64 / float8 at 46 registers keep 10 programs per SM (capped at 40 they would keep
+  12 but spill three words per tile inside the fast loop); fp32 16M is 1.55 waves, the last at 5.5
+  programs per SM, enough to keep HBM busy. To be confirmed on a GPU: the compiled kernels' n_regs on
+  triton 3.6, and that bf16 16M is faster, not slower, capped.
 """
 
 import os
@@ -177,12 +181,13 @@ _BLOCK_BY_ITEMSIZE = {s: _NUM_WARPS * 32 * _UNROLL * 16 // s for s in (8, 4, 2)}
 _BLOCK_OTHER = _NUM_WARPS * 32 * _UNROLL * 4
 _TARGET_PROGRAMS = 2048
 # Register cap (ptxas .maxnreg) of the stage-1 kernel per (kind, element size); none where absent.
-# fp16 / bf16 tiles hold 32 elements per thread in three float32 accumulators and an int32 count
-# of 8 lanes each: uncapped they take 64 (fp16) / 70 (bf16) registers on triton 3.8 and ~70 on
-# 3.6, i.e. 7 programs per SM on sm_90 (a 4-warp program at 65-72 registers), 8 at <= 64. Capped
-# at 64, bf16 keeps its fast loop (237 instructions, one more than uncapped) and spills one
-# 32-bit value outside the loops (one STL / LDL per chunk, in the epilogue). See the launch-grid
-# paragraph of the module docstring for why occupancy, and not the grid shape, moves the tail.
+# fp16 / bf16 tiles hold 32 elements per thread, and their three float32 sums 8 lanes each: uncapped
+# they take 80 (fp16) / 71 (bf16) registers on triton 3.8, i.e. 6 / 7 programs per SM on sm_90 (a
+# 4-warp program at 73-80 / 65-72 registers), 8 at <= 64. Capped at 64 they keep their fast loops
+# (bf16 333 instructions, two more than uncapped; no spill inside) and spill two or three 32-bit
+# values outside them (bf16: in the epilogue, once per chunk; fp16: also in the rescan's loop). See
+# the launch-grid paragraph of the module docstring for why occupancy, and not the grid shape, moves
+# the tail.
 _MAXNREG = {(_KIND_FLOAT, 2): 64}
 _MAX_ITERS = 64
 # The rescan packs three per-lane counters into one int32, 10 bits each; a lane sees
@@ -473,17 +478,17 @@ def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB:
 
 # Expected instruction mix of the clean fast path, measured statically (no GPU): the kernel
 # compiled ahead of time for sm_90, SASS of its full-tile loop, `.venv/bin/python -m
-# benchmarks.triton_isa` (triton 3.8; 3.6 within 5%):
+# benchmarks.triton_isa` (triton 3.8):
 #   dtype  instructions / element  registers  bytes in flight / thread
-#   fp32        6.8                 40         64
-#   bf16        7.4                 64         64   (70 without the maxnreg=64 cap)
-#   fp16        7.2                 64         64   (capped at 64 too: ~70 on triton 3.6)
-#   fp64       11.5                 40         64
+#   fp32       10.1                 46         64
+#   bf16       10.4                 64         64   (71 without the maxnreg=64 cap)
+#   fp16       10.2                 64         64   (80 without the cap)
+#   fp64       14.8                 46         64
 # (A kernel that classifies every element takes 24 - 42 instructions per element: `--rev 8e80e4b`
-# compiles one.) fp32 per 16 elements: 4 LDG.128, 32 FMNMX (min, max), 16 FFMA (sum of squares),
-# 16 FSETP + ~34 integer instructions (the zero count: mostly an add of 1 undone by a move under
-# the predicate) and ~7 of loop control. The masked rest of a chunk (< BLOCK elements) and the
-# rescan are separate loops.
+# compiles one.) fp32 per 16 elements: 4 LDG.128, 32 FMNMX (min, max: 4 per thread's 4 elements and
+# its lane), 32 FFMA + 16 FMUL (squares and fourth powers), 16 FADD (sum), 16 FSETP + 16 SEL + ~24
+# integer instructions (the zero count, addresses) and ~5 of loop control. The masked rest of a
+# chunk (< BLOCK elements) and the rescan are separate loops.
 @triton.jit(do_not_specialize=_STAGE1_DO_NOT_SPECIALIZE)
 def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, part_f, total,
                    KIND: tl.constexpr, ACC64: tl.constexpr, CODE: tl.constexpr,
