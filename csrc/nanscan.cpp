@@ -3,8 +3,8 @@
 //   csrc/cuda/summarize.cu   -> CUDA    (C++/CUDA)
 //   nanscan/kernels/triton.py -> CUDA, and CPU under TRITON_INTERPRET=1, for the triton_* ops
 //   nanscan/_ops.py           -> fake (meta) kernels for all of them
-// Each op returns float64 records laid out as in csrc/record.h: shape [8] for one tensor,
-// [len(xs), 8] for a list.
+// Each op returns float64 records laid out as in csrc/record.h: shape [kRecordSize] (10) for one tensor,
+// [len(xs), kRecordSize] for a list.
 #include <torch/library.h>
 
 TORCH_LIBRARY(nanscan, m) {

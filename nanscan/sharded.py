@@ -5,9 +5,10 @@ A DTensor is spread over the ranks of a device mesh: along each mesh dimension i
 the same values) or ``Partial`` (each rank holds an addend). The summary of the global tensor
 combines the records of the pieces without moving any data:
 
-* NaN / +Inf / -Inf / zero counts and the sum of squares add over the shards -- each value is
-  counted once: along a ``Replicate`` mesh dimension only the rank at coordinate 0 contributes, the
-  others give the neutral record (no element: counts 0, finite min +inf, max -inf, no index);
+* NaN / +Inf / -Inf / zero counts and the sums (of squares, values, fourth powers) add over the
+  shards -- each value is counted once: along a ``Replicate`` mesh dimension only the rank at
+  coordinate 0 contributes, the others give the neutral record (no element: counts and sums 0,
+  finite min +inf, max -inf, no index);
 * the finite min / max are the min / max over the shards;
 * ``first_nonfinite_index`` is the index into the global tensor in logical row-major order: each
   rank maps its shard's first index to global coordinates (its block offset, from DTensor's own
@@ -17,10 +18,10 @@ combines the records of the pieces without moving any data:
   made from the summaries of its addends.
 
 :func:`local_record` (no collective, no host sync) is what ``nanscan.record(dt)`` /
-``nanscan.records`` return for a DTensor; :func:`combine` is one ``all_gather`` of the ``[n, 8]``
-records per mesh dimension (a 1-D mesh: one collective for a whole list), which
-``nanscan.summarize(dt)`` / ``summarize_many`` do before decoding. The sum of squares is each
-shard's FP32-accumulated sum, added in float64.
+``nanscan.records`` return for a DTensor; :func:`combine` is one ``all_gather`` of the
+``[n, RECORD_SIZE]`` records per mesh dimension (a 1-D mesh: one collective for a whole list), which
+``nanscan.summarize(dt)`` / ``summarize_many`` do before decoding. Each sum (of squares, values,
+fourth powers) is each shard's FP32-accumulated sum, added in float64.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def local_record(dt, record_one: Callable[[torch.Tensor], torch.Tensor], op: str
 
 
 def combine(rows: torch.Tensor, mesh) -> torch.Tensor:
-    """Every rank's ``[n, 8]`` contributions (:func:`local_record`) combined into the records of
+    """Every rank's ``[n, RECORD_SIZE]`` contributions (:func:`local_record`) combined into the records of
     the global tensors, on every rank of ``mesh``: one ``all_gather`` per mesh dimension."""
     import torch.distributed as dist
 
@@ -108,8 +109,9 @@ def combine(rows: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def combine_stacked(stacked: torch.Tensor) -> torch.Tensor:
-    """``[pieces, n, 8]`` contributions -> ``[n, 8]``: counts and sums of squares add, min / max,
-    and the smallest global first index (-1 where no piece has one)."""
+    """``[pieces, n, RECORD_SIZE]`` contributions -> ``[n, RECORD_SIZE]``: counts and sums (of squares,
+    values, fourth powers) add, min / max, and the smallest global first index (-1 where no piece
+    has one)."""
     out = stacked.sum(dim=0)
     out[:, Field.FINITE_MIN] = stacked[:, :, Field.FINITE_MIN].amin(dim=0)
     out[:, Field.FINITE_MAX] = stacked[:, :, Field.FINITE_MAX].amax(dim=0)

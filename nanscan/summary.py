@@ -29,7 +29,7 @@ def _check_tensor(x, op: str) -> torch.Tensor:
 
 
 def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """The float64 ``[8]`` record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`);
+    """The float64 ``[RECORD_SIZE]`` (10) record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`);
     for a DTensor, this rank's contribution to the global record (module docstring)."""
     if sharded.is_dtensor(x):
         return sharded.local_record(x, lambda t: record(t, backend))
@@ -46,8 +46,8 @@ def _as_list(xs, op: str) -> list:
 
 
 def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.Tensor:
-    """The ``[len(xs), 8]`` float64 records of ``xs`` (all on one device), in as few launches as the
-    backend allows. An empty list gives a ``[0, 8]`` CPU tensor.
+    """The ``[len(xs), RECORD_SIZE]`` float64 records of ``xs`` (all on one device), in as few launches as the
+    backend allows. An empty list gives a ``[0, RECORD_SIZE]`` CPU tensor.
 
     No Python work per tensor on the way: the kernels check their inputs (in C++ for the cpu and
     cuda backends). Only when the op refuses the list are the tensors checked here, one by one, to

@@ -10,25 +10,44 @@ FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr
 
 
 def sumsq_rtol(x: torch.Tensor) -> float:
-    """Tolerance on the sum of squares: float64 accumulation is near exact; float32 accumulation
-    differs between a pairwise (torch) and a lane-wise / sequential (kernel) order by a few
-    n * eps in the worst case -- 1e-4 covers the chunk lengths the kernels use (<= 64K)."""
+    """Tolerance on the sums (of squares, values, fourth powers): float64 accumulation is near exact;
+    float32 accumulation differs between a pairwise (torch) and a lane-wise / sequential (kernel)
+    order by a few n * eps in the worst case -- 1e-4 covers the chunk lengths the kernels use (<= 64K)."""
     real = torch.view_as_real(x) if x.is_complex() else x
     return 1e-12 if (real.dtype == torch.float64 or not real.dtype.is_floating_point) else 1e-4
 
 
+def abs_sum(x: torch.Tensor) -> float:
+    """Sum of |x_i| over the finite elements of x in float64: the scale of ``sum``'s rounding error
+    (a signed sum can cancel to far below its terms, so its tolerance is relative to this)."""
+    real = torch.view_as_real(x) if x.is_complex() else x
+    vals = real.detach().reshape(-1).cpu().to(torch.float64)
+    return float(torch.where(torch.isfinite(vals), vals.abs(), 0).sum())
+
+
 def assert_record_matches(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, what: str = "") -> None:
-    """Every field exact (counts, min, max, first index) but sumsq, which matches within
-    ``sumsq_rtol`` and is +inf exactly when the reference overflowed."""
+    """Every field exact (counts, min, max, first index) but the sums: sumsq and sum4 match within
+    ``sumsq_rtol`` and are +inf exactly when the reference overflowed; sum matches within
+    ``sumsq_rtol`` of the sum of the finite |x_i| (see :func:`abs_sum`), and is non-finite exactly
+    when the reference's is -- unless the squares overflowed, where the sum's overflow depends on
+    the order of the additions."""
     got, want = got.detach().cpu().tolist(), want.detach().cpu().tolist()
     for field in Field:
         g, w = got[field], want[field]
         label = f"{what} {field.name}: got {g}, reference {w} (dtype {x.dtype}, shape {tuple(x.shape)})"
-        if field is Field.SUMSQ:
+        if field in (Field.SUMSQ, Field.SUM4):
             if math.isinf(w) or math.isinf(g):
                 assert g == w, label
             else:
                 assert math.isclose(g, w, rel_tol=sumsq_rtol(x), abs_tol=1e-30), label
+        elif field is Field.SUM:
+            if not (math.isfinite(w) and math.isfinite(g)):
+                # An FP32 sum overflows only where the squares did too (|sum| <= sqrt(n * sumsq)), and
+                # then whether it does, and to what, depends on the order: +big - big + big ... is 0
+                # summed in sequence, inf - inf = nan summed in pairs.
+                assert g == w or (math.isnan(g) and math.isnan(w)) or math.isinf(want[Field.SUMSQ]), label
+            else:
+                assert abs(g - w) <= sumsq_rtol(x) * abs_sum(x) + 1e-30, label
         else:
             assert g == w, label
 

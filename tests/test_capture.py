@@ -598,3 +598,19 @@ def test_report_of_an_edited_manifest_says_so(tmp_path):
         report.summarize_run(path)
     edit_manifest(path, lambda m: m.update(version=1), forge_digest=False)  # format 1: nothing to check
     assert report.summarize_run(path)["step"] == 15
+
+
+def test_a_bundle_with_an_incident_of_the_earlier_summary_format_still_loads(tmp_path):
+    """Bundles keep the incident's summary as TensorSummary.to_dict() wrote it: one written before
+    the record had sum / sum4 (no sum, sum4, mean, kurtosis keys) loads and reports as before."""
+    from nanscan import report
+    from tests.test_log import EARLIER_SUMMARY
+
+    incident = {"step": 3, "phase": "backward", "name": "fc.weight", "kind": "grad", "produced": True, "rank": 0,
+                "summary": EARLIER_SUMMARY}
+    path = nanscan.capture_bundle(str(tmp_path / "b"), model=log_net(), batch=torch.randn(4, 8), incident=incident,
+                                  step=3)
+    manifest = nanscan.load_bundle(path).manifest
+    assert manifest["incident"]["summary"] == EARLIER_SUMMARY
+    text = report.text_report(path)
+    assert "fc.weight" in text and "3 NaN" in text

@@ -92,7 +92,7 @@ def test_more_than_2_pow_31_elements(backend):
     x[11] = -3.0
     s = nanscan.summarize(x, backend=backend)
     assert (s.nan_count, s.posinf_count, s.zero_count, s.first_nonfinite_index) == (1, 1, n - 3, 2**31 + 7)
-    assert (s.finite_min, s.finite_max, s.sumsq) == (-3.0, 0.0, 9.0)
+    assert (s.finite_min, s.finite_max, s.sumsq, s.sum, s.sum4) == (-3.0, 0.0, 9.0, -3.0, 81.0)
     del x
     torch.cuda.empty_cache()
 
@@ -235,6 +235,8 @@ def test_runs_of_256_squares_and_packed_zero_counts(dtype, nan):
     assert got[6].item() == sumsq  # (the reference's own FP32 sum is pairwise: not exact here)
     assert got[3].item() == n - 1 - (sumsq - 2.0**24) - nan
     assert got[7].item() == (3 * RUN + 5 if nan else -1)
+    assert got[8].item() == 4096.0 + (sumsq - 2.0**24)  # the sum goes through the same runs (exact here)
+    assert got[9].item() == 2.0**48  # (each 1.0 is below half an FP32 ulp of 4096**4, in any order)
 
 
 @pytest.mark.slow
@@ -381,7 +383,7 @@ def many_tensors():
 
 
 def assert_rows_match(rows, xs, what):
-    assert rows.shape == (len(xs), 8), what
+    assert rows.shape == (len(xs), nanscan.RECORD_SIZE), what
     for i, (row, x) in enumerate(zip(rows, xs)):
         assert_record_matches(row, reference.summarize(x), x, f"{what} xs[{i}]")
 
@@ -530,7 +532,7 @@ def test_stamp_summarizes_a_value_on_another_device_where_it_lives():
     # Model parallelism: a module output on the CPU while the compiled path's buffer is on the GPU.
     from nanscan import _C
 
-    buffer = torch.zeros(3, 12, dtype=torch.float64, device="cuda")
+    buffer = torch.zeros(3, nanscan.RECORD_SIZE + 4, dtype=torch.float64, device="cuda")
     counter = torch.zeros(1, dtype=torch.float64, device="cuda")
     on_cpu, on_gpu = torch.tensor([1.0, float("nan"), -2.0]), torch.tensor([float("inf"), 0.0], device="cuda")
     _C.set_stamp_target(4343, buffer, counter)
@@ -538,9 +540,10 @@ def test_stamp_summarizes_a_value_on_another_device_where_it_lives():
         torch.ops.nanscan.stamp([on_cpu, on_gpu], None, 4343, 1, "")
     finally:
         _C.set_stamp_target(4343, None, None)
-    assert_record_matches(buffer[1, :8].cpu(), reference.summarize(on_cpu), on_cpu)
-    assert_record_matches(buffer[2, :8].cpu(), reference.summarize(on_gpu.cpu()), on_gpu.cpu())
-    assert buffer[1:, 8].tolist() == [1.0, 2.0] and buffer[0].abs().sum().item() == 0.0
+    r = nanscan.RECORD_SIZE
+    assert_record_matches(buffer[1, :r].cpu(), reference.summarize(on_cpu), on_cpu)
+    assert_record_matches(buffer[2, :r].cpu(), reference.summarize(on_gpu.cpu()), on_gpu.cpu())
+    assert buffer[1:, r].tolist() == [1.0, 2.0] and buffer[0].abs().sum().item() == 0.0
 
 
 class _SideStreamModel(torch.nn.Module):

@@ -56,6 +56,6 @@ def test_two_ranks_gloo_fault_on_rank_1_only(tmp_path):
         assert r.get("raised"), f"rank {r['rank']} did not stop"
         assert (r["step"], r["last_step"], r["phase"], r["incident_rank"]) == (2, 2, "forward", 1)
         assert (r["name"], r["produced"]) == ("0", False)  # the batch of rank 1 carried the NaN
-        nan, pos, neg, zero, mn, mx, sumsq, first = r["combined"]
-        assert (nan, pos, neg, zero, mn, mx, sumsq) == (1, 1, 0, 1, -2.0, 5.0, 30.0)
+        nan, pos, neg, zero, mn, mx, sumsq, first, total, sum4 = r["combined"]
+        assert (nan, pos, neg, zero, mn, mx, sumsq, total, sum4) == (1, 1, 0, 1, -2.0, 5.0, 30.0, 4.0, 642.0)
         assert r["first_rank"] == [0] and first == 2  # rank 0's shard comes first: its +inf at index 2

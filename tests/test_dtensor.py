@@ -28,7 +28,7 @@ def global_tensor(shape, seed):
 def as_list(summary):
     d = summary.to_dict()
     return [d[k] for k in ("shape", "nan_count", "posinf_count", "neginf_count", "zero_count", "finite_min",
-                           "finite_max", "first_nonfinite_index")], summary.sumsq
+                           "finite_max", "first_nonfinite_index")], [summary.sumsq, summary.sum, summary.sum4]
 
 
 def worker(rank, world, out_dir):
@@ -83,16 +83,22 @@ def test_dtensor_summary_is_the_global_tensors(tmp_path, world):
     mp.spawn(worker, args=(world, str(tmp_path)), nprocs=world, join=True)
     for r in range(world):
         results = json.loads((tmp_path / f"rank{r}.json").read_text())
-        (nan, pos, neg, zero, mn, mx, sumsq, first), first_rank = results.pop("mesh_dim")
+        (nan, pos, neg, zero, mn, mx, sumsq, first, total, sum4), first_rank = results.pop("mesh_dim")
         pair = [2 * (r // 2), 2 * (r // 2) + 1] if world == 4 else [0, 1]  # the ranks along the last mesh dim
         # shards [p0, 0] and [p1, nan]: one NaN, at index 1 of the group's second rank
         zeros = 2 if pair[0] == 0 else 1
         assert (nan, zero, mn, mx, first, first_rank) == (1, zeros, 0, pair[1], 1, [1])
+        # the sums add over the finite elements p0, 0 and p1 (the NaN is out)
+        assert (sumsq, total, sum4) == (pair[0] ** 2 + pair[1] ** 2, sum(pair), pair[0] ** 4 + pair[1] ** 4)
         many = results.pop("many")
         assert results.pop("compiled", [True] * len(many)) == [True] * len(many)
         assert "Partial" in results.pop("partial")
         assert many == [got["dtensor"] for got in results.values()]  # the list: the same summaries
         for name, got in results.items():
-            (fields, sumsq), (want, want_sumsq) = got["dtensor"], got["full"]
+            (fields, sums), (want, want_sums) = got["dtensor"], got["full"]
             assert fields == want, (r, name)
+            sumsq, total, sum4 = sums
+            want_sumsq, want_total, want_sum4 = want_sums
             assert math.isclose(sumsq, want_sumsq, rel_tol=1e-5), (r, name)
+            assert math.isclose(sum4, want_sum4, rel_tol=1e-5), (r, name)
+            assert abs(total - want_total) <= 1e-5 * want_sumsq ** 0.5 * 8, (r, name)  # (|sum| <= sqrt(n sumsq))

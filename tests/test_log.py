@@ -349,3 +349,31 @@ def test_tensors_without_values_and_deep_nesting_are_clear_errors(monkeypatch):
 
     monkeypatch.setattr(reference, "summarize", refuse)
     assert log.loads(log.dumps(torch.ones(1000)))["numel"] == 1000
+
+
+# What TensorSummary.to_dict() wrote before the record had sum / sum4 (no sum, sum4, mean, kurtosis,
+# sum4_overflowed): logs and bundles written then must keep reading.
+EARLIER_SUMMARY = {"dtype": "float32", "shape": [4, 8], "numel": 32, "nan_count": 3, "posinf_count": 0,
+                   "neginf_count": 1, "zero_count": 2, "finite_min": -1.5, "finite_max": 2.0, "sumsq": 11.25,
+                   "first_nonfinite_index": 5, "nonfinite_count": 4, "finite_count": 28, "is_finite": False,
+                   "absmax": 2.0, "l2_norm": 3.3541019662496847, "sumsq_overflowed": False}
+
+
+def test_a_log_written_with_the_earlier_summary_format_still_reads(tmp_path):
+    from nanscan import report
+
+    incident = {"step": 1, "phase": "forward", "name": "fc", "kind": "activation", "produced": True, "rank": 0,
+                "summary": EARLIER_SUMMARY}
+    path = tmp_path / "events.jsonl"
+    lines = [{"type": "header", "nanscan": "0.1.0", "rank": 0, "time": "2024-01-02T03:04:05", "pid": 1},
+             {"type": "step", "step": 0, "rank": 0, "time": "2024-01-02T03:04:06", "loss": 2.5},
+             {"type": "step", "step": 1, "rank": 0, "time": "2024-01-02T03:04:07",
+              "loss": {"finite": False, "value": "nan"}, "nonfinite": {"forward": 4}},
+             {"type": "incident", "step": 1, "rank": 0, "time": "2024-01-02T03:04:07", "incident": incident,
+              "bundle": None}]
+    path.write_text("".join(json.dumps(e, allow_nan=False) + "\n" for e in lines))
+    events = log.read_events(path)
+    assert events[3]["incident"]["summary"] == EARLIER_SUMMARY
+    text = report.text_report(str(path))
+    assert "non-finite output of module 'fc' at step 1" in text and "3 NaN, 0 +Inf, 1 -Inf of 32" in text
+    json.loads(report.to_json(report.summarize_run(str(path))))

@@ -7,6 +7,7 @@ from nanscan import _ops
 from nanscan.kernels import reference
 from tests.helpers import assert_record_matches
 
+R = nanscan.RECORD_SIZE  # record columns
 
 
 def devices_for(op_name):
@@ -19,13 +20,13 @@ def sample_inputs(op_name, device):
     """Small inputs: under TRITON_INTERPRET=1 the triton ops run in the (slow) interpreter."""
     if op_name == "stamp_rows_":  # (buffer, counter, values, records, first_row, owner, labels)
         def fresh():
-            return (torch.zeros(5, 12, dtype=torch.float64, device=device),
+            return (torch.zeros(5, R + 4, dtype=torch.float64, device=device),
                     torch.full((1,), 3.0, dtype=torch.float64, device=device))
         values = [torch.randn(3, 4, device=device), torch.ones(2, device=device)]
-        records = torch.arange(16, dtype=torch.float64, device=device).reshape(2, 8)
+        records = torch.arange(2 * R, dtype=torch.float64, device=device).reshape(2, R)
         return [(*fresh(), values, None, 2, 0, ""), (*fresh(), values, records, 1, 0, "a\x1fb")]
     if op_name == "stamp":  # (values, records, owner, first_row, labels): owner 0 names no buffer, a no-op
-        records = torch.arange(16, dtype=torch.float64, device=device).reshape(2, 8)
+        records = torch.arange(2 * R, dtype=torch.float64, device=device).reshape(2, R)
         values = [torch.randn(3, 4, device=device), torch.ones(2, device=device)]
         return [(values, None, 0, 1, ""), (values, records, 0, 0, "a\x1fb")]
     x = torch.tensor([[1.0, float("nan"), -3.0], [0.0, float("inf"), 2.0]], device=device)
@@ -155,24 +156,24 @@ def test_a_wheel_built_for_another_torch_says_to_reinstall(tmp_path):
 
 
 def test_stamp_rows_writes_records_and_sequence_numbers():
-    buffer = torch.zeros(6, 12, dtype=torch.float64)
+    buffer = torch.zeros(6, R + 4, dtype=torch.float64)
     counter = torch.full((1,), 4.0, dtype=torch.float64)
     values = [torch.randn(3, 5), torch.tensor([1.0, float("nan")]), torch.zeros(4, dtype=torch.bfloat16)]
     values[0][1, 2] = float("inf")
     torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 2, 0, "")  # records: the default kernels'
-    torch.testing.assert_close(buffer[2:5, :8], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0,
+    torch.testing.assert_close(buffer[2:5, :R], torch.ops.nanscan.summarize_many(values), rtol=0, atol=0,
                                equal_nan=True)
-    assert buffer[2:5, 8].tolist() == [5.0, 6.0, 7.0]
-    assert buffer[2:5, 9].tolist() == [1.0, 1.0, 1.0]  # each row's writes
-    assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, 10:].abs().sum() == 0 and counter.item() == 7.0
-    given = torch.arange(8, dtype=torch.float64).reshape(1, 8)  # records of another backend
+    assert buffer[2:5, R].tolist() == [5.0, 6.0, 7.0]
+    assert buffer[2:5, R + 1].tolist() == [1.0, 1.0, 1.0]  # each row's writes
+    assert buffer[[0, 1, 5]].abs().sum() == 0 and buffer[:, R + 2:].abs().sum() == 0 and counter.item() == 7.0
+    given = torch.arange(R, dtype=torch.float64).reshape(1, R)  # records of another backend
     torch.ops.nanscan.stamp_rows_(buffer, counter, values[:1], given, 0, 0, "")
-    assert torch.equal(buffer[0, :8], given[0]) and buffer[0, 8].item() == 8.0 and counter.item() == 8.0
+    assert torch.equal(buffer[0, :R], given[0]) and buffer[0, R].item() == 8.0 and counter.item() == 8.0
     torch.ops.nanscan.stamp_rows_(buffer, counter, values[:2], None, 2, 0, "")  # rows 2, 3 again
-    assert buffer[2:5, 8].tolist() == [9.0, 10.0, 7.0] and buffer[:5, 9].tolist() == [1.0, 0.0, 2.0, 2.0, 1.0]
-    narrow = torch.zeros(2, 9, dtype=torch.float64)  # no column for the writes: none are counted
+    assert buffer[2:5, R].tolist() == [9.0, 10.0, 7.0] and buffer[:5, R + 1].tolist() == [1.0, 0.0, 2.0, 2.0, 1.0]
+    narrow = torch.zeros(2, R + 1, dtype=torch.float64)  # no column for the writes: none are counted
     torch.ops.nanscan.stamp_rows_(narrow, counter, values[:1], None, 0, 0, "")
-    assert narrow[0, 8].item() == 11.0 and narrow[1].abs().sum() == 0
+    assert narrow[0, R].item() == 11.0 and narrow[1].abs().sum() == 0
     with pytest.raises(RuntimeError, match="outside the buffer"):
         torch.ops.nanscan.stamp_rows_(buffer, counter, values, None, 4, 0, "")
     with pytest.raises(RuntimeError, match="one dtype"):
@@ -182,18 +183,18 @@ def test_stamp_rows_writes_records_and_sequence_numbers():
 def test_stamp_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_dropped():
     from nanscan import _C
 
-    buffer, counter = torch.zeros(4, 12, dtype=torch.float64), torch.full((1,), 5.0, dtype=torch.float64)
+    buffer, counter = torch.zeros(4, R + 4, dtype=torch.float64), torch.full((1,), 5.0, dtype=torch.float64)
     grad = torch.tensor([1.0, float("nan"), -2.0])
     _C.set_stamp_target(4242, buffer, counter)
     try:
         torch.ops.nanscan.stamp([grad], None, 4242, 2, "")
-        given = torch.arange(8, dtype=torch.float64)  # one record of another backend, for one value
+        given = torch.arange(R, dtype=torch.float64)  # one record of another backend, for one value
         torch.ops.nanscan.stamp([grad], given, 4242, 0, "")
     finally:
         _C.set_stamp_target(4242, None, None)
-    assert_record_matches(buffer[2, :8], reference.summarize(grad), grad)
-    assert torch.equal(buffer[0, :8], given)
-    assert buffer[2, 8].item() == 6.0 and buffer[0, 8].item() == 7.0 and counter.item() == 7.0  # sequence numbers
+    assert_record_matches(buffer[2, :R], reference.summarize(grad), grad)
+    assert torch.equal(buffer[0, :R], given)
+    assert buffer[2, R].item() == 6.0 and buffer[0, R].item() == 7.0 and counter.item() == 7.0  # sequence numbers
     assert buffer[[1, 3]].abs().sum().item() == 0.0
     torch.ops.nanscan.stamp([grad], None, 4242, 1, "")  # dropped: nothing is written
     assert buffer[1].abs().sum().item() == 0.0 and counter.item() == 7.0
@@ -221,7 +222,7 @@ def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
         p.grad = torch.ones_like(p)
     records, present, sparse = held.grad_records()
     assert sparse is None
-    assert present is None and records.shape == (3, 8)
+    assert present is None and records.shape == (3, R)
     with torch.no_grad():
         params[0].data = torch.full((5,), float("nan"))  # (module.to: the same tensor, new data)
     assert held.records()[0, 0].item() == 5.0  # five NaNs
@@ -260,7 +261,7 @@ def test_a_cpu_record_made_on_arrival_is_the_value_then_bit_for_bit(make):
     if x.numel():
         x.fill_(7)  # changed after it was recorded
     got = torch.cat(w.take()[1])
-    assert got.shape == (1, 8) and torch.equal(got[0], want), (got[0], want)
+    assert got.shape == (1, R) and torch.equal(got[0], want), (got[0], want)
 
 
 def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later_change_stale():
@@ -285,7 +286,7 @@ def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later
         entries, records, rows = w.take()
         assert entries == slots and rows is None and [s.stale for s in slots] == [stale, False]
         got = torch.cat(records)
-        assert got.shape == (2, 8)
+        assert got.shape == (2, R)
         torch.testing.assert_close(got[1], torch.ops.nanscan.summarize(torch.tensor([2.0, -1.0])), rtol=0, atol=0)
         if not stale:  # the record of what it held when it was recorded
             torch.testing.assert_close(got[0], torch.ops.nanscan.summarize(torch.ones(3)), rtol=0, atol=0)
@@ -295,7 +296,7 @@ def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later
     w = window(None)
     a, b = torch.ones(2), torch.zeros(2)
     w.add(a, types.SimpleNamespace(stale=False))
-    w.add_block(torch.full((1, 8), 7.0, dtype=torch.float64), types.SimpleNamespace(start=None), 1)
+    w.add_block(torch.full((1, R), 7.0, dtype=torch.float64), types.SimpleNamespace(start=None), 1)
     w.add(b, types.SimpleNamespace(stale=False))
     got = torch.cat(w.take()[1])
     assert got[:, 3].tolist() == [0.0, 7.0, 2.0]  # zero counts, in production order

@@ -252,11 +252,12 @@ def test_records_are_device_tensors_without_host_sync():
 def test_readme_example():
     s = nanscan.summarize(torch.tensor([1.0, float("nan"), 1e20]))
     assert (s.nan_count, s.first_nonfinite_index, s.sumsq_overflowed) == (1, 1, True)
+    assert s.mean == pytest.approx(5e19) and s.kurtosis is None and s.sum4_overflowed
     json.dumps(s.to_dict(), allow_nan=False)
     model = torch.nn.Linear(3, 2)
     summaries = nanscan.summarize_many(list(model.parameters()))
     assert [x.shape for x in summaries] == [(2, 3), (2,)] and all(x.is_finite for x in summaries)
-    assert nanscan.records([torch.ones(2), torch.ones(3)]).shape == (2, 8)
+    assert nanscan.records([torch.ones(2), torch.ones(3)]).shape == (2, nanscan.RECORD_SIZE)
     assert nanscan.available_backends()[-1] == "reference"
 
 
@@ -333,3 +334,166 @@ def test_cpu_sums_of_chunk_sums_are_blocked_too():
     blocked = _blocked_fp32_sum(torch.cat([chunk_sums, torch.zeros(256 * 256 - n_chunks)]))
     got = nanscan.summarize(x, backend="cpu").sumsq
     assert blocked > 2.0 ** 24 and abs(got - want) <= abs(blocked - want)
+
+
+# ------------------------------------------------------------------------- sum, sum4: mean, kurtosis
+
+
+def finite_moments(x: torch.Tensor):
+    """(mean, kurtosis about zero, mean of |x|) of the finite elements of x (complex: its real view),
+    in float64 with torch: the numbers TensorSummary.mean / .kurtosis estimate, and the scale of the
+    mean's rounding error."""
+    real = torch.view_as_real(x) if x.is_complex() else x
+    v = real.reshape(-1).cpu().double()
+    v = v[torch.isfinite(v)]
+    if v.numel() == 0:
+        return None, None, None
+    m2 = (v ** 2).mean().item()
+    return v.mean().item(), ((v ** 4).mean().item() / m2 ** 2 if m2 > 0 else None), v.abs().mean().item()
+
+
+MOMENT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, *FLOAT8, torch.int32, torch.int64,
+                 torch.int16, torch.uint8, torch.bool, torch.complex64]
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS + [("reference", "cpu")])
+@pytest.mark.parametrize("dtype", MOMENT_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["random", "mixed", "nan_last"])
+def test_mean_and_kurtosis_match_torch(backend, device, dtype, kind):
+    """mean = sum / finite_count and kurtosis = E[x**4] / E[x**2]**2 over the finite elements (NaN / Inf
+    present or not), against torch in float64. FP32 accumulation for 8/16/32-bit floats (fp16 / bf16
+    included: their values, squares and fourth powers are summed in FP32), FP64 otherwise."""
+    gen = torch.Generator().manual_seed(stable_seed("moments", str(dtype), kind))
+    for n in (1, 1000, 3 * 65536 + 24):
+        v = special_values(kind, n, gen) * 3 + 0.5  # (a mean away from zero)
+        x = cast(v, dtype).to(device)
+        s = nanscan.summarize(x, backend=backend)
+        mean, kurt, scale = finite_moments(x)
+        fp64 = dtype in (torch.float64, torch.int32, torch.int64, torch.int16, torch.uint8, torch.bool)
+        rtol = 1e-12 if fp64 else 2e-5
+        if mean is None:
+            assert s.mean is None and s.kurtosis is None, (n, s)
+            continue
+        assert s.mean == pytest.approx(mean, rel=0, abs=rtol * scale + 1e-300), (n, s.mean, mean)
+        if kurt is None:
+            assert s.kurtosis is None, (n, s)
+        else:
+            assert s.kurtosis == pytest.approx(kurt, rel=10 * rtol), (n, s.kurtosis, kurt)
+            assert 1 - 1e-6 <= s.kurtosis <= s.finite_count * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS + [("reference", "cpu")])
+def test_mean_and_kurtosis_edge_cases(backend, device):
+    def summary(values, dtype=torch.float32):
+        return nanscan.summarize(torch.tensor(values, dtype=dtype, device=device), backend=backend)
+
+    nan, inf = float("nan"), float("inf")
+    for values in ([], [nan, inf, -inf]):  # no finite element: no mean, no kurtosis
+        s = summary(values)
+        assert (s.mean, s.kurtosis, s.sum, s.sum4) == (None, None, 0.0, 0.0), values
+    s = nanscan.summarize(torch.empty(3, 0, device=device), backend=backend)
+    assert (s.mean, s.kurtosis) == (None, None)
+    s = summary([0.0, -0.0, nan, 0.0])  # all finite elements zero: a mean, no kurtosis (E[x**2] = 0)
+    assert (s.mean, s.kurtosis) == (0.0, None)
+    s = summary([2.0, -2.0, 2.0, inf, -2.0])  # one magnitude: kurtosis 1, whatever the sign
+    assert (s.mean, s.kurtosis, s.sum, s.sumsq, s.sum4) == (0.0, 1.0, 0.0, 16.0, 64.0)
+    s = summary([0.0] * 99 + [5.0])  # one outlier among n: kurtosis n
+    assert s.kurtosis == pytest.approx(100.0) and s.mean == pytest.approx(0.05)
+    s = summary(-2.5)  # 0-dim
+    assert (s.mean, s.kurtosis) == (-2.5, 1.0)
+    s = summary([1, 2, 3, 250], torch.uint8)  # integers: FP64 sums, exact here
+    assert (s.sum, s.sumsq, s.sum4, s.mean) == (256.0, 62514.0, 1 + 16 + 81 + 250.0 ** 4, 64.0)
+    s = summary([True, False, True], torch.bool)
+    assert (s.mean, s.kurtosis) == (pytest.approx(2 / 3), 1.5)
+    s = nanscan.summarize(torch.tensor([1 + 2j, complex(nan, -3)], dtype=torch.complex64, device=device),
+                          backend=backend)  # the real view: 1, 2, nan, -3
+    assert (s.finite_count, s.sum, s.sumsq, s.sum4) == (3, 0.0, 14.0, 98.0) and s.mean == 0.0
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS + [("reference", "cpu")])
+def test_sum4_overflow_and_underflow_give_no_kurtosis(backend, device):
+    """FP32 fourth powers overflow from |x| ~ 4.3e9 (squares only from ~1.8e19): sum4 is +inf, a
+    finding like an overflowing sumsq, and the kurtosis is None, while mean and sumsq are fine. Below
+    ~1e-10 they underflow (every term flushed to 0 at 1e-12): None too, not a kurtosis of 0. FP64
+    accumulation (fp64, integers) has neither problem at these magnitudes."""
+    big = torch.full((1000,), 1e10, device=device)
+    big[::2] = -1e10
+    s = nanscan.summarize(big, backend=backend)
+    assert s.is_finite and not s.sumsq_overflowed and s.sum4_overflowed and s.sum4 == float("inf")
+    assert s.kurtosis is None and abs(s.mean) <= 1e4 and s.sumsq == pytest.approx(1000 * 1e20, rel=1e-6)
+    s64 = nanscan.summarize(big.double(), backend=backend)
+    assert not s64.sum4_overflowed and s64.kurtosis == pytest.approx(1.0)
+    half = nanscan.summarize(torch.full((100,), 60000.0, dtype=torch.float16, device=device), backend=backend)
+    assert half.sum == 6e6 and half.mean == 60000.0  # FP32 sums: in fp16 they would be inf
+    assert half.sum4 == pytest.approx(100 * 60000.0 ** 4, rel=1e-6) and half.kurtosis == pytest.approx(1.0)
+    tiny = torch.full((1000,), 1e-12, device=device)
+    s = nanscan.summarize(tiny, backend=backend)
+    assert s.sum4 == 0.0 and s.sumsq > 0 and s.kurtosis is None and s.mean == pytest.approx(1e-12, rel=1e-5)
+    assert nanscan.summarize(tiny.double(), backend=backend).kurtosis == pytest.approx(1.0)
+    d = json.loads(json.dumps(nanscan.summarize(big, backend=backend).to_dict(), allow_nan=False))
+    assert d["sum4"] == {"finite": False, "value": "inf"} and d["sum4_overflowed"] is True and d["kurtosis"] is None
+
+
+def test_summary_of_a_record_of_the_earlier_layout():
+    """A record of the 8-field layout (without sum / sum4), e.g. saved by an earlier version, still
+    decodes: sum / sum4 / mean / kurtosis unknown (None), the rest as before."""
+    old = [1.0, 0.0, 0.0, 2.0, -4.0, 3.0, 25.0, 1.0]
+    s = nanscan.TensorSummary.from_values(old, torch.float32, (4,))
+    assert (s.nan_count, s.zero_count, s.finite_min, s.finite_max, s.sumsq, s.first_nonfinite_index) == (
+        1, 2, -4.0, 3.0, 25.0, 1)
+    assert (s.sum, s.sum4, s.mean, s.kurtosis, s.sum4_overflowed) == (None, None, None, None, False)
+    d = json.loads(json.dumps(s.to_dict(), allow_nan=False))
+    assert d["sum"] is None and d["mean"] is None and d["kurtosis"] is None and "none" not in str(s).split("sumsq")[0]
+    with pytest.raises(ValueError, match="has 10 values"):
+        nanscan.TensorSummary.from_values(old[:7], torch.float32, (4,))
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_sum_and_sum4_are_as_accurate_on_every_layout(backend, device, dtype):
+    """sum and sum4 are summed in the blocks of sumsq (test_sumsq_is_as_accurate_on_every_layout): on
+    every layout, alone and in one summarize_many, the relative error of sum4 is within 2x of the
+    blocked FP32 sum's (or 4 ulps), and sum's error, relative to the sum of |x|, too (values with a
+    mean of 2, so that a long sequential FP32 sum would drift)."""
+    gen = torch.Generator().manual_seed(1)
+    xs = {name: view((torch.randn(shape, generator=gen) + 2).to(device, dtype))
+          for name, (shape, view) in SUMSQ_LAYOUTS.items()}
+    rows = nanscan.records(list(xs.values()), backend=backend).cpu()
+    for (name, x), row in zip(xs.items(), rows):
+        values = x.cpu().float().reshape(-1)
+        fourth = (values * values) ** 2
+        want4, want1, scale = fourth.double().sum().item(), values.double().sum().item(), values.abs().sum().item()
+        bound4 = 2 * max(abs(_blocked_fp32_sum(fourth) - want4) / want4, 2.0 ** -22)
+        bound1 = 2 * max(abs(_blocked_fp32_sum(values) - want1) / scale, 2.0 ** -22)
+        one = nanscan.record(x, backend=backend)
+        for how, rec in (("record", one), ("records", row)):
+            assert abs(rec[9].item() - want4) / want4 <= bound4, (name, how, "sum4")
+            assert abs(rec[8].item() - want1) / scale <= bound1, (name, how, "sum")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_min_max_and_zeros_of_16_bit_values_of_every_sign(backend, device, dtype):
+    """The CPU kernel takes the min / max / zero count of fp16 / bf16 vectors from their raw bits
+    (sign-magnitude as signed and unsigned integers): all negative, all positive, all -0.0, mixed
+    signed zeros, tiny subnormals and the format's extremes, over the vector path and its tail."""
+    gen = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    cases = {
+        "negative": -(torch.rand(1000, generator=gen) + 0.5),
+        "positive": torch.rand(1000, generator=gen) + 0.5,
+        "minus_zero": torch.full((1000,), -0.0),
+        "signed_zeros": torch.where(torch.rand(1000, generator=gen) < 0.5, 0.0, -0.0),
+        "zeros_and_negative": torch.cat([torch.zeros(500), -torch.rand(500, generator=gen) - 1]),
+        "subnormal": torch.full((1000,), float(torch.finfo(dtype).smallest_normal) / 4) * torch.sign(
+            torch.randn(1000, generator=gen)),
+        "extremes": torch.tensor([big, -big] * 500),
+    }
+    for name, v in cases.items():
+        for n in (1000, 997, 40):
+            x = v[:n].to(dtype).to(device)
+            got = nanscan.record(x, backend=backend)
+            assert_record_matches(got, reference.summarize(x), x, f"{backend} {name} n={n}")
+            want = x.cpu().float()
+            assert got[4].item() == want.min().item() and got[5].item() == want.max().item(), name
+            assert got[3].item() == (want == 0).sum().item(), name

@@ -35,16 +35,17 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
 SIZES = [1, 7, 5000]  # 5000 crosses the default 1024-element tile several times
 INF, NAN = float("inf"), float("nan")
 
-# The interpreter evaluates the kernels with numpy, which warns where float32 squares overflow, and
-# (triton 3.6) where the fast path's min / max reduce lanes that are all NaN (such a chunk is
-# rescanned; the fast path's min / max are discarded).
+# The interpreter evaluates the kernels with numpy, which warns where float32 squares overflow, where
+# the fast path's sum adds +inf and -inf, and (triton 3.6) where its min / max reduce lanes that are
+# all NaN (such a chunk is rescanned; the fast path's min / max / sums are discarded).
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")]
+              pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
 
 
 def check(x, got=None, what=""):
     got = tk.summarize(x) if got is None else got
-    assert got.dtype == torch.float64 and got.shape == (8,) and got.device == x.device
+    assert got.dtype == torch.float64 and got.shape == (kern.RECORD_SIZE,) and got.device == x.device
     assert_record_matches(got, reference.summarize(x), x, what)
 
 
@@ -126,7 +127,7 @@ def test_transposed_first_index_is_logical():
 def test_empty(shape, dtype):
     x = torch.empty(shape, dtype=dtype, device=DEVICE)
     rec = tk.summarize(x)
-    assert rec.tolist() == [0.0, 0.0, 0.0, 0.0, INF, -INF, 0.0, -1.0]
+    assert rec.tolist() == [0.0, 0.0, 0.0, 0.0, INF, -INF, 0.0, -1.0, 0.0, 0.0]
     check(x)
 
 
@@ -137,6 +138,7 @@ def test_zero_dim_and_special_cases():
     rec = tk.summarize(x)
     f32 = torch.tensor(1e20, dtype=torch.float32).item()
     assert rec[6].item() == INF and rec[4].item() == rec[5].item() == f32  # fp32 square overflows
+    assert rec[8].item() == pytest.approx(100 * f32, rel=1e-6) and rec[9].item() == INF  # the sum does not
     x64 = x.double()
     assert tk.summarize(x64)[6].item() == pytest.approx(100 * 1e40)  # fp64 does not
     big = torch.tensor([2**62 + 1, -(2**60), 3], dtype=torch.int64, device=DEVICE)
@@ -189,7 +191,7 @@ def test_summarize_many(impl):
         got = tk._summarize_many_table(xs)
     else:
         got = tk._summarize_many_table(xs, _block=32, _iters=2)
-    assert got.dtype == torch.float64 and got.shape == (len(xs), 8) and got.device == xs[0].device
+    assert got.dtype == torch.float64 and got.shape == (len(xs), kern.RECORD_SIZE) and got.device == xs[0].device
     for i, x in enumerate(xs):
         assert_record_matches(got[i], reference.summarize(x), x, f"row {i}")
 
@@ -282,10 +284,10 @@ def test_table_refuses_what_it_refused(monkeypatch):
 
 
 def test_summarize_many_edge_cases():
-    assert tk.summarize_many([]).shape == (0, 8)
-    assert tk._summarize_many_table([]).shape == (0, 8)
+    assert tk.summarize_many([]).shape == (0, kern.RECORD_SIZE)
+    assert tk._summarize_many_table([]).shape == (0, kern.RECORD_SIZE)
     empties = [torch.empty(0, device=DEVICE), torch.empty(0, 3, dtype=torch.int32, device=DEVICE)]
-    assert tk._summarize_many_table(empties).tolist() == [[0.0, 0.0, 0.0, 0.0, INF, -INF, 0.0, -1.0]] * 2
+    assert tk._summarize_many_table(empties).tolist() == [[0.0, 0.0, 0.0, 0.0, INF, -INF, 0.0, -1.0, 0.0, 0.0]] * 2
     one = [torch.tensor([NAN, 1.0, -2.0], device=DEVICE)]
     assert torch.equal(tk.summarize_many(one)[0], tk.summarize(one[0]))
     with pytest.raises(ValueError, match="one device"):
@@ -468,12 +470,12 @@ def test_offsets_beyond_2_31_elements():
     rows = [buf.data_ptr() - 2**31 * buf.element_size(), big, -skipped, nch, 0] + [0] * nch
     meta = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
     part_i = torch.empty(5 * nch, dtype=torch.int64, device=DEVICE)
-    part_f = torch.empty(3 * nch, dtype=torch.float64, device=DEVICE)
+    part_f = torch.empty(5 * nch, dtype=torch.float64, device=DEVICE)  # min, max, sumsq, sum, sum4
     kind, acc64, _ = kern._DTYPE_INFO[torch.float32]
     kern._stage1_kernel[(nch,)](meta, 0, ITERS, meta, 1, 0, part_i, part_f, nch, KIND=kind, ACC64=acc64,
                                 CODE=kern._PTR_CODE[torch.float32], MULTI=True, ALIGNED=False, BLOCK=BLOCK,
                                 num_warps=kern._NUM_WARPS)
-    out = torch.empty(8, dtype=torch.float64, device=DEVICE)
+    out = torch.empty(kern.RECORD_SIZE, dtype=torch.float64, device=DEVICE)
     kern._stage2_kernel[(1,)](part_i, part_f, nch, out, nch, 0, part_i, 0, MULTI=False,
                               BLOCK2=kern._STAGE2_BLOCK, num_warps=kern._NUM_WARPS)
     want = reference.summarize(buf)
@@ -561,11 +563,11 @@ def test_stage1_register_cap():
     records = []
     for options in (capped, {"num_warps": kern._NUM_WARPS}):
         part_i = torch.empty(5 * chunks, dtype=torch.int64, device=DEVICE)
-        part_f = torch.empty(3 * chunks, dtype=torch.float64, device=DEVICE)
+        part_f = torch.empty(5 * chunks, dtype=torch.float64, device=DEVICE)  # min, max, sumsq, sum, sum4
         kern._stage1_kernel[(chunks,)](t, n, ITERS, part_i, 0, 0, part_i, part_f, chunks, KIND=kind, ACC64=acc64,
                                        CODE=kern._PTR_CODE[t.dtype], MULTI=False, ALIGNED=False, BLOCK=BLOCK,
                                        **options)
-        out = torch.empty(8, dtype=torch.float64, device=DEVICE)
+        out = torch.empty(kern.RECORD_SIZE, dtype=torch.float64, device=DEVICE)
         kern._stage2_kernel[(1,)](part_i, part_f, chunks, out, chunks, int(acc64), part_i, 0, MULTI=False,
                                   BLOCK2=kern._STAGE2_BLOCK, num_warps=kern._NUM_WARPS)
         records.append(out)

@@ -7,7 +7,7 @@
 //      slot, so no thread ever shares an accumulator.
 //   3. Each tensor's partials are merged sequentially in chunk order.
 // The chunking depends only on the shapes, never on the thread count, so every field -- the FP32
-// sum of squares included -- is bitwise identical for any number of threads. Extra memory is one
+// sums included -- is bitwise identical for any number of threads. Extra memory is one
 // Partial per chunk, O(numel / kChunk).
 //
 // fp64 / fp32 / fp16 / bf16 chunks of contiguous or dense permuted (transposed, channels_last)
@@ -52,7 +52,7 @@ constexpr bool kNarrowFloat =
     std::is_same_v<T, c10::Float8_e4m3fnuz> || std::is_same_v<T, c10::Float8_e5m2fnuz>;
 
 // Compute type: float32 for narrow floats, float64 for float64, integers and bool. It is also the
-// sum-of-squares accumulator type.
+// accumulator type of the sums (of values, squares and fourth powers).
 template <typename scalar_t>
 using cmp_t = std::conditional_t<kNarrowFloat<scalar_t>, float, double>;
 
@@ -91,12 +91,15 @@ inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index, const Map& map
   p.zero += (v == 0);
   p.min = std::min(p.min, static_cast<double>(v));
   p.max = std::max(p.max, static_cast<double>(v));
-  p.sumsq += v * v;
+  const acc_t x2 = v * v;  // in acc_t: an FP32 square of 1e20 is +inf, as the record contract says
+  p.sumsq += x2;
+  p.sum += v;
+  p.sum4 += x2 * x2;
 }
 
-// Every FP32 accumulator of squares takes at most kBlock of them before its sum is set aside and a
-// new one starts; the block sums are then added (and a tensor's chunk sums, in merge_chunks, in
-// blocks of kBlock too). The scalar loops' blocks are kBlock consecutive elements, the vector
+// Every FP32 accumulator (of squares, values or fourth powers) takes at most kBlock terms before its
+// sum is set aside and a new one starts; the block sums are then added (and a tensor's chunk sums, in
+// merge_chunks, in blocks of kBlock too). The scalar loops' blocks are kBlock consecutive elements, the vector
 // loops' (scan_contiguous) kBlock elements per lane, and the CUDA and Triton kernels' threads /
 // lanes see at most 256 elements of a chunk, so every path, contiguous or strided, rounds sums of
 // the same size. Why it matters: each addition's rounding error scales with the running sum, and
@@ -191,53 +194,65 @@ inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at
 }
 
 // Vectorized fast path, written for the common case of a chunk with no NaN, no Inf and no
-// overflowing square: min / max / sum of squares / zero count run over raw lanes with no masking,
-// five instructions per vector. A NaN or ±Inf input makes its lane's sum of squares NaN or +inf,
-// so "every lane's sumsq is finite" proves the chunk clean; otherwise (a non-finite input, or
-// finite squares that overflowed FP32) the chunk is rescanned by the scalar path, which classifies
-// every element. Those are the rare cases; at worst (all NaN) a chunk is read twice.
+// overflowing square: min / max / the three sums (VecState) and the zero count (ZeroCount; fp16 /
+// bf16: Raw16) run over raw lanes with no masking, eight instructions per vector of lanes (min, max,
+// FMA for the square, multiply + FMA for the fourth power, add for the sum, compare + integer
+// subtract for the zero count). A NaN or ±Inf input
+// makes its lane's sum of squares NaN or +inf, so "every lane's sumsq is finite" proves the chunk
+// clean; otherwise (a non-finite input, or finite squares that overflowed FP32) the chunk is
+// rescanned by the scalar path, which classifies every element. Those are the rare cases; at worst
+// (all NaN) a chunk is read twice. A fourth power that overflows while the squares do not (FP32,
+// |x| ~ 4.3e9 -- 1.8e19) leaves sum4 +inf in a clean chunk: what the scalar path gives too. The sum
+// needs no check: |sum| <= sqrt(n * sumsq) stays finite while sumsq does.
 template <typename acc_t>
 struct VecState {
   using Vec = at::vec::Vectorized<acc_t>;
   using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
   Vec vmin = Vec(std::numeric_limits<acc_t>::infinity());
   Vec vmax = Vec(-std::numeric_limits<acc_t>::infinity());
-  Vec sumsq = Vec(acc_t(0));   // this block's squares, per lane
-  Vec blocks = Vec(acc_t(0));  // the finished blocks' sums, per lane
-  IVec neg_zeros = IVec(0);  // minus the zero count: each true lane of (v == 0) adds -1
+  Vec sumsq = Vec(acc_t(0)), sum = Vec(acc_t(0)), sum4 = Vec(acc_t(0));  // this block's sums, per lane
+  // The finished blocks' sums, per lane: touched once per block, kept out of the element loop's registers.
+  Vec blocks_sumsq = Vec(acc_t(0)), blocks_sum = Vec(acc_t(0)), blocks_sum4 = Vec(acc_t(0));
 
   inline void add(const Vec& v) {
     vmin = at::vec::clamp_max(vmin, v);  // min(vmin, v); NaN lanes only matter on the rescan
     vmax = at::vec::clamp_min(vmax, v);
+    add_sums(v);
+  }
+
+  // The three sums only (fp16 / bf16 take the rest from their raw lanes: Raw16).
+  inline void add_sums(const Vec& v) {
     sumsq = at::vec::fmadd(v, v, sumsq);
-    neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
+    const Vec x2 = v * v;  // the square rounded to acc_t, as the scalar path's: x**4 = x2 * x2
+    sum4 = at::vec::fmadd(x2, x2, sum4);
+    sum = sum + v;
   }
 
-  // Sets the block's per-lane sums aside (see kBlock): one add per vector of lanes per block.
+  // Sets the block's per-lane sums aside (see kBlock): three adds per vector of lanes per block.
   inline void end_block() {
-    blocks = blocks + sumsq;
-    sumsq = Vec(acc_t(0));
+    blocks_sumsq = blocks_sumsq + sumsq;
+    blocks_sum = blocks_sum + sum;
+    blocks_sum4 = blocks_sum4 + sum4;
+    sumsq = sum = sum4 = Vec(acc_t(0));
   }
-
-  inline Vec total_sumsq() const { return blocks + sumsq; }
 
   // Reduction of several states in a fixed order -- lanewise across the states first, then one
   // horizontal pass (for small tensors this reduction is most of the work) --; false if the sum of
   // squares is not finite (a non-finite input, or an overflow: the caller rescans, and the scalar
   // path says which).
   template <size_t N>
-  static bool flush(const VecState (&states)[N], Partial<acc_t>& p) {
+  static bool flush(VecState (&states)[N], Partial<acc_t>& p) {
     constexpr int n = Vec::size();
-    Vec vmin = states[0].vmin, vmax = states[0].vmax, sumsq = states[0].total_sumsq();
-    IVec neg_zeros = states[0].neg_zeros;
+    for (auto& state : states) state.end_block();
+    Vec vmin = states[0].vmin, vmax = states[0].vmax;
+    Vec sumsq = states[0].blocks_sumsq, sum = states[0].blocks_sum, sum4 = states[0].blocks_sum4;
     for (size_t k = 1; k < N; ++k) {
       vmin = at::vec::clamp_max(vmin, states[k].vmin);
       vmax = at::vec::clamp_min(vmax, states[k].vmax);
-      sumsq = sumsq + states[k].total_sumsq();  // (squares are >= 0: the sum is finite iff every part is)
-      neg_zeros = neg_zeros + states[k].neg_zeros;
+      sumsq = sumsq + states[k].blocks_sumsq;  // (squares are >= 0: the sum is finite iff every part is)
+      sum = sum + states[k].blocks_sum;
+      sum4 = sum4 + states[k].blocks_sum4;
     }
-    at::vec::int_same_size_t<acc_t> lzero[n];
-    neg_zeros.store(lzero);
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (std::is_same_v<acc_t, float>) {
       // Three shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
@@ -245,30 +260,105 @@ struct VecState {
       const float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sumsq);
       if (!std::isfinite(total)) return false;
       p.sumsq += total;
+      p.sum += at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
+      p.sum4 += at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum4);
       p.min = std::min(p.min, static_cast<double>(at::vec::vec_reduce_all<float>(
                                   [](const Vec& a, const Vec& b) { return at::vec::clamp_max(a, b); }, vmin)));
       p.max = std::max(p.max, static_cast<double>(at::vec::vec_reduce_all<float>(
                                   [](const Vec& a, const Vec& b) { return at::vec::clamp_min(a, b); }, vmax)));
-      int64_t zeros = 0;
-      for (int i = 0; i < n; ++i) zeros -= lzero[i];
-      p.zero += zeros;
       return true;
     }
 #endif
-    acc_t lmin[n], lmax[n], lsq[n];
+    acc_t lmin[n], lmax[n], lsq[n], lsum[n], lsum4[n];
     vmin.store(lmin);
     vmax.store(lmax);
     sumsq.store(lsq);
+    sum.store(lsum);
+    sum4.store(lsum4);
     for (int i = 0; i < n; ++i) {
       if (!std::isfinite(lsq[i])) return false;
+    }
+    for (int i = 0; i < n; ++i) {
       p.min = std::min(p.min, static_cast<double>(lmin[i]));
       p.max = std::max(p.max, static_cast<double>(lmax[i]));
       p.sumsq += lsq[i];
-      p.zero -= static_cast<int64_t>(lzero[i]);
+      p.sum += lsum[i];
+      p.sum4 += lsum4[i];
     }
     return true;
   }
 };
+
+// The zero count of a vector loop, one counter for all its accumulator sets (its chain is one integer
+// add per vector: no latency to hide): each true lane of (v == 0) adds -1. A lane counts at most
+// kChunk / Vec::size() elements: exact in its integer type.
+template <typename acc_t>
+struct ZeroCount {
+  using Vec = at::vec::Vectorized<acc_t>;
+  using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
+  IVec neg_zeros = IVec(0);
+
+  inline void add(const Vec& v) { neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0))); }
+
+  inline void write(Partial<acc_t>& p) const {
+    at::vec::int_same_size_t<acc_t> lanes[IVec::size()];
+    neg_zeros.store(lanes);
+    for (int i = 0; i < IVec::size(); ++i) p.zero -= static_cast<int64_t>(lanes[i]);
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX2)
+// The zero count, min and max of fp16 / bf16 vectors, taken on their raw 16-bit lanes before they are
+// widened, one set for all the accumulator sets: six integer instructions per 16 elements where the
+// widened floats take eight (two compares, two adds, two min, two max), and a set of registers per
+// accumulator set that AVX2's 16 do not have (a set that does not fit is spilled to the stack inside
+// the loop, its chains waiting on store-to-load forwarding).
+//   zeros: (bits << 1) == 0 is +-0 in both formats; a 16-bit lane counts at most one element per
+//     vector, so it is folded into 32 bits every block (<= 256 vectors).
+//   min / max: both formats are sign-magnitude, so as signed 16-bit integers the non-negative values
+//     order as their floats (and above every negative one), and as unsigned integers the negative
+//     values order by magnitude (above every non-negative one). The largest float is the signed
+//     maximum when it is >= 0, else (all negative) the unsigned minimum; the smallest float is the
+//     unsigned maximum when it is negative, else (none negative) the unsigned minimum. Exact; a NaN
+//     or Inf lane does not matter (such a chunk is rescanned).
+struct Raw16 {
+  __m256i zeros16 = _mm256_setzero_si256(), zeros32 = _mm256_setzero_si256();
+  __m256i smax = _mm256_set1_epi16(INT16_MIN), umin = _mm256_set1_epi16(-1), umax = _mm256_setzero_si256();
+
+  inline void add(__m256i raw) {
+    zeros16 = _mm256_sub_epi16(zeros16, _mm256_cmpeq_epi16(_mm256_add_epi16(raw, raw), _mm256_setzero_si256()));
+    smax = _mm256_max_epi16(smax, raw);
+    umin = _mm256_min_epu16(umin, raw);
+    umax = _mm256_max_epu16(umax, raw);
+  }
+
+  inline void end_block() {
+    zeros32 = _mm256_add_epi32(zeros32, _mm256_madd_epi16(zeros16, _mm256_set1_epi16(1)));
+    zeros16 = _mm256_setzero_si256();
+  }
+
+  // Adds the zero count, min and max to p.
+  template <typename scalar_t>
+  void write(Partial<float>& p) {
+    end_block();
+    int32_t z[8];
+    int16_t sm[16];
+    uint16_t un[16], ux[16];
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z), zeros32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm), smax);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(un), umin);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ux), umax);
+    for (int i = 0; i < 8; ++i) p.zero += z[i];
+    const int16_t hs = *std::max_element(sm, sm + 16);
+    const uint16_t hn = *std::min_element(un, un + 16), hx = *std::max_element(ux, ux + 16);
+    const auto as_float = [](uint16_t bits) {
+      return static_cast<double>(static_cast<float>(scalar_t(bits, scalar_t::from_bits())));
+    };
+    p.max = std::max(p.max, hs >= 0 ? as_float(static_cast<uint16_t>(hs)) : as_float(hn));
+    p.min = std::min(p.min, hx >= 0x8000 ? as_float(hx) : as_float(hn));
+  }
+};
+#endif
 
 template <typename scalar_t, typename Map = Identity>
 void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p,
@@ -277,28 +367,47 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
   auto load = [&](int64_t i) { return data[i]; };
   if constexpr (kVectorized<scalar_t>) {
     using In = at::vec::Vectorized<scalar_t>;
-    // Four independent accumulator sets hide the FMA / add latency of the loop-carried chains.
-    constexpr int64_t kUnroll = 4;
+    // Two independent accumulator sets: enough to hide the FMA / add latency of the loop-carried
+    // chains behind eight instructions per vector, and few enough registers for AVX2's 16 -- 2 x 5
+    // accumulators and one zero counter (2 x 3 sums and one Raw16 set for fp16 / bf16), the loaded
+    // vector and temporaries; a set that does not fit is spilled to the stack inside the loop, which
+    // costs more than the latency the extra set would hide (four sets did).
+    constexpr int64_t kUnroll = 2;
     constexpr int64_t kStep = kUnroll * In::size();
     VecState<acc_t> states[kUnroll];
+    ZeroCount<acc_t> zeros;
+#if defined(CPU_CAPABILITY_AVX2)
+    constexpr bool kRaw16 = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
+    struct None {};
+    std::conditional_t<kRaw16, Raw16, None> raw16;  // fp16 / bf16: zero count, min and max (zeros unused)
+#endif
     auto add = [&](VecState<acc_t>& state, const scalar_t* src) {
 #if defined(CPU_CAPABILITY_AVX2)
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
-        // instructions. The lanes come out permuted, which no field depends on.
+      if constexpr (kRaw16) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        state.add(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
-        state.add(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+        raw16.add(raw);
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
+          // instructions. The lanes come out permuted, which no field depends on.
+          state.add_sums(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
+          state.add_sums(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+        } else {
+          state.add_sums(_mm256_cvtph_ps(_mm256_castsi256_si128(raw)));
+          state.add_sums(_mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1)));
+        }
         return;
       }
 #endif
       const In v = In::loadu(src);
       if constexpr (std::is_same_v<scalar_t, acc_t>) {
         state.add(v);
+        zeros.add(v);
       } else {
         auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
         state.add(lo);
+        zeros.add(lo);
         state.add(hi);
+        zeros.add(hi);
       }
     };
     // A step gives every lane In::size() / Vec::size() elements (two for fp16 / bf16, widened into
@@ -313,6 +422,9 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
         for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
       }
       for (auto& state : states) state.end_block();
+#if defined(CPU_CAPABILITY_AVX2)
+      if constexpr (kRaw16) raw16.end_block();
+#endif
     }
     // The whole vectors left (all of a tensor shorter than one unrolled step: a bias, an
     // activation of a small layer) go into the first state; only the last partial vector is scalar.
@@ -321,6 +433,15 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     if (vec_end > begin) {  // (a tensor shorter than one vector has no vector part to reduce)
       Partial<acc_t> vec_part;
       if (VecState<acc_t>::flush(states, vec_part)) {
+#if defined(CPU_CAPABILITY_AVX2)
+        if constexpr (kRaw16) {
+          raw16.template write<scalar_t>(vec_part);
+        } else {
+          zeros.write(vec_part);
+        }
+#else
+        zeros.write(vec_part);
+#endif
         p.merge(vec_part);
       } else {
         scan_scalar<scalar_t>(begin, vec_end, p, load, map);  // a NaN, an Inf, or an FP32 overflow
@@ -370,6 +491,24 @@ void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_
   }
 }
 
+// Partials are stored uniformly as Partial<double>; FP32 sums are carried exactly and rounded back to
+// FP32 at every merge (merge_chunks), so the accumulation stays FP32 end to end.
+template <typename acc_t>
+Partial<double> widened(const Partial<acc_t>& p) {
+  Partial<double> out;
+  out.nan = p.nan;
+  out.posinf = p.posinf;
+  out.neginf = p.neginf;
+  out.zero = p.zero;
+  out.min = p.min;
+  out.max = p.max;
+  out.first = p.first;
+  out.sumsq = p.sumsq;
+  out.sum = p.sum;
+  out.sum4 = p.sum4;
+  return out;
+}
+
 template <typename scalar_t>
 void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t end, Partial<double>& out) {
   Partial<cmp_t<scalar_t>> p;
@@ -381,16 +520,7 @@ void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t e
   } else {
     scan_strided(data, g, begin, end, p);
   }
-  // Partials are stored uniformly as Partial<double>; the FP32 sum is carried exactly and rounded
-  // back to FP32 at every merge below, so the accumulation stays FP32 end to end.
-  out.nan = p.nan;
-  out.posinf = p.posinf;
-  out.neginf = p.neginf;
-  out.zero = p.zero;
-  out.min = p.min;
-  out.max = p.max;
-  out.sumsq = p.sumsq;
-  out.first = p.first;
+  out = widened(p);
 }
 
 #define NANSCAN_CPU_CASE(enum_type, cpp_type) \
@@ -410,42 +540,45 @@ struct WorkItem {
   int64_t tensor, begin, end;
 };
 
-// One input's record from its chunks, scanned and merged in order: the FP32 sum of squares of an
-// FP32 input is the FP32 sum of the chunks' FP32 sums, as in the threaded path below -- in blocks
-// of kBlock chunks too (a tensor of more than 16M elements has more than kBlock chunks).
+// One input's record from its chunks, scanned and merged in order: each FP32 sum (of squares,
+// values, fourth powers) of an FP32 input is the FP32 sum of the chunks' FP32 sums, as in the
+// threaded path below -- in blocks of kBlock chunks too (a tensor of more than 16M elements has more
+// than kBlock chunks).
 template <typename Scan>
 void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* out) {
   Partial<double> total;
-  const bool fp32_sum = sums_in_fp32(input.scalar_type());
-  float sumsq32 = 0.0f, block32 = 0.0f;
+  Partial<float> sums32, block32;  // (only the sums are used)
   for (int64_t c = 0; c < n_chunks; ++c) {
     const Partial<double>& part = scan(c);
     total.merge(part);
-    block32 += static_cast<float>(part.sumsq);
+    block32.sumsq += static_cast<float>(part.sumsq);
+    block32.sum += static_cast<float>(part.sum);
+    block32.sum4 += static_cast<float>(part.sum4);
     if ((c + 1) % kBlock == 0) {
-      sumsq32 += block32;
-      block32 = 0.0f;
+      sums32.merge(block32);
+      block32 = Partial<float>();
     }
   }
-  sumsq32 += block32;
-  if (fp32_sum) total.sumsq = sumsq32;
+  sums32.merge(block32);
+  if (sums_in_fp32(input.scalar_type())) {
+    total.sumsq = sums32.sumsq;
+    total.sum = sums32.sum;
+    total.sum4 = sums32.sum4;
+  }
   total.write(out);
 }
 
 // One tensor's record, its chunks scanned and merged in order on this thread: the serial path (the
 // threaded one below merges the same chunks in the same order, so the bits do not depend on the path).
 // The record of n <= kChunk contiguous elements of `dtype` at `data`: one chunk, so the chunk's
-// partial, its FP32 sum rounded to FP32 (exact: summed in FP32).
+// partial, its FP32 sums as they are (what merge_chunks makes of one chunk: 0 + x == x).
 void summarize_contiguous_chunk(const void* data, int64_t n, at::ScalarType dtype, double* out) {
-#define NANSCAN_CPU_CASE(enum_type, cpp_type)                                                 \
-  case at::enum_type: {                                                                       \
-    Partial<cmp_t<cpp_type>> p;                                                               \
-    scan_contiguous(static_cast<const cpp_type*>(data), 0, n, p);                             \
-    Partial<double> total;                                                                    \
-    total.merge({p.nan, p.posinf, p.neginf, p.zero, p.min, p.max, static_cast<double>(p.sumsq), p.first}); \
-    if (sums_in_fp32(at::enum_type)) total.sumsq = static_cast<float>(total.sumsq);           \
-    total.write(out);                                                                         \
-    return;                                                                                   \
+#define NANSCAN_CPU_CASE(enum_type, cpp_type)                     \
+  case at::enum_type: {                                           \
+    Partial<cmp_t<cpp_type>> p;                                   \
+    scan_contiguous(static_cast<const cpp_type*>(data), 0, n, p); \
+    widened(p).write(out);                                        \
+    return;                                                       \
   }
   switch (dtype) {
     NANSCAN_FORALL_REAL_DTYPES(NANSCAN_CPU_CASE)
@@ -475,7 +608,7 @@ void summarize_serial(const at::Tensor& t, double* out) {
 // Inputs as the kernels read them (normalized_input): borrowed handles where nothing was converted.
 using Inputs = c10::SmallVector<c10::MaybeOwned<at::Tensor>, 1>;
 
-// Writes one record per input into rows of `out` ([n, 8] float64, contiguous).
+// Writes one record per input into rows of `out` ([n, kRecordSize] float64, contiguous).
 void summarize_into(const Inputs& inputs, double* out) {
   int64_t total = 0;
   for (const auto& x : inputs) total += x->numel();

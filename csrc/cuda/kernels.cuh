@@ -21,7 +21,8 @@ namespace {
 // ~~~~~~~~~~~~~~~~~~~~~~~~~
 // One read of every element (two for a chunk holding a NaN / Inf), as the CPU kernel's VecState.
 // The first pass over a chunk (scan_chunk; fast_linear for linear memory) keeps only the zero
-// count, min / max and the sum of squares -- no classification, no index --, reading linear memory
+// count, min / max and the sums of squares, values and fourth powers -- no classification, no
+// index --, reading linear memory
 // with 16-byte loads, 4 in flight per thread (a scalar head / tail covers a pointer that is not
 // 16-byte aligned and ragged chunk ends). fp16 / bf16 (and float8 e4m3fn / e5m2, converted exactly
 // to fp16 pairs) keep min, max and the zero count two lanes at a time (Lanes, reduce.cuh: HMNMX2,
@@ -76,7 +77,7 @@ __device__ __forceinline__ void fast_linear(Fast<T>& f, const T* __restrict__ p,
     const auto add = [&](const uint4& r) {
       const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-      for (int k = 0; k < Packing<T>::kPairs; ++k) lanes.add(Packing<T>::pair(w, k), f.ss);
+      for (int k = 0; k < Packing<T>::kPairs; ++k) lanes.add(Packing<T>::pair(w, k), f);
     };
     for (; i + (kUnroll - 1) * kBlock < nv; i += kUnroll * kBlock) {
       uint4 r[kUnroll];
@@ -211,22 +212,39 @@ __device__ __forceinline__ void scan_elems(const T* __restrict__ p, int64_t begi
 // Note [runs]
 // ~~~~~~~~~~~
 // A chunk (See Note [chunk size] in summarize.cu) is read as runs of kSegment = 65536 elements (a
-// chunk of <= 65536 is one run): a thread takes 256 elements of a run, sums their squares afresh
-// (the record contract: FP32 sums in blocks of at most 256 squares), and folds its packed lanes
-// (Lanes, reduce.cuh) into 32-bit counts at the run's end, so a packed zero count never passes 128
-// whatever the chunk; the chunk's sum is the runs' sums added in order. What a thread keeps between
-// runs (that sum, the chunk's end) waits in shared memory (RunState), not in registers the element
-// loops need. Up to 2**27 elements every chunk is one run, summed as if there were no runs
-// (0 + x == x).
+// chunk of <= 65536 is one run): a thread takes 256 elements of a run, sums their squares, values
+// and fourth powers afresh (the record contract: FP32 sums in blocks of at most 256 terms), and
+// folds its packed lanes (Lanes, reduce.cuh) into 32-bit counts at the run's end, so a packed zero
+// count never passes 128 whatever the chunk; the chunk's sums are the runs' sums added in order.
+// What a thread keeps between runs (those sums, the chunk's end) waits in shared memory (RunState),
+// not in registers the element loops need. Up to 2**27 elements every chunk is one run, summed as if
+// there were no runs (0 + x == x).
 
-// What a thread keeps across the runs of a chunk -- the sum of the runs read so far and the chunk's
+// What a thread keeps across the runs of a chunk -- the sums of the runs read so far and the chunk's
 // end -- in shared memory while a run is read: a few accesses per run, where values held in
 // registers across the element loops made ptxas spill inside them (fp64, strided). Volatile, so
 // the compiler cannot carry them in registers after all. Slot threadIdx.x: its own thread only.
-template <typename S> struct RunState { S total; int64_t end; };
-template <typename S> __device__ __forceinline__ volatile RunState<S>* run_state() {
-  __shared__ RunState<S> state[kBlock];
-  return state + threadIdx.x;
+template <typename T> struct RunState {
+  typename Traits<T>::S ss, s1;
+  typename Traits<T>::S4 s4;
+  int64_t end;
+
+  // Starts a run: the thread's sums start afresh. Ends it: they join the chunk's (volatile: one
+  // shared-memory load and store each).
+  __device__ __forceinline__ void start(Fast<T>& f) volatile { f.ss = 0, f.s1 = 0, f.s4 = 0; }
+  __device__ __forceinline__ void finish(const Fast<T>& f) volatile {
+    ss = ss + f.ss;  // a NaN / Inf run: non-finite for good (squares are >= 0)
+    s1 = s1 + f.s1;
+    s4 = s4 + f.s4;
+  }
+  __device__ __forceinline__ void total_into(Fast<T>& f) volatile { f.ss = ss, f.s1 = s1, f.s4 = s4; }
+};
+template <typename T> __device__ __forceinline__ volatile RunState<T>* run_state(int64_t end) {
+  __shared__ RunState<T> state[kBlock];
+  volatile RunState<T>* const run = state + threadIdx.x;
+  run->ss = 0, run->s1 = 0, run->s4 = 0;
+  run->end = end;
+  return run;
 }
 
 // Second pass over a chunk whose first pass was not proved clean: classify every element, the
@@ -235,17 +253,14 @@ template <typename S> __device__ __forceinline__ volatile RunState<S>* run_state
 template <typename T, Mode M>
 __device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
                                             int64_t end, Partial<typename Traits<T>::A>* dst) {
-  using S = typename Traits<T>::S;
   Acc<T> acc;
-  volatile RunState<S>* const run = run_state<S>();
-  run->total = 0;
-  run->end = end;
+  volatile RunState<T>* const run = run_state<T>(end);
   const auto runs = [&](const auto& one) {  // the runs of scan_chunk, summed the same way
     for (int64_t s = begin; s < run->end;) {
       const int64_t e = min(s + kSegment, run->end);
-      acc.fin.ss = 0;
+      run->start(acc.fin);
       one(s, e);
-      run->total = run->total + acc.fin.ss;
+      run->finish(acc.fin);
       s = e;
     }
   };
@@ -261,7 +276,7 @@ __device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geome
     if (g->numel <= int64_t(UINT32_MAX)) runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, narrow, add); });
     else runs([&](int64_t s, int64_t e) { scan_elems(p, s, e, wide, add); });
   }
-  acc.fin.ss = run->total;
+  run->total_into(acc.fin);
   const Partial<typename Traits<T>::A> r = block_reduce(acc.partial());
   if (threadIdx.x == 0) *dst = r;
 }
@@ -271,19 +286,16 @@ __device__ __noinline__ void classify_chunk(const T* __restrict__ p, const Geome
 template <typename T, Mode M>
 __device__ __forceinline__ void scan_chunk(const T* __restrict__ p, const Geometry* g, int64_t begin,
                                            int64_t end, Partial<typename Traits<T>::A>* dst) {
-  using S = typename Traits<T>::S;
   Fast<T> f;
-  // Runs of kSegment elements (See Note [runs]): each starts its sum of squares (and, in
-  // fast_linear, its packed lanes) afresh; the chunk's sum is the runs' sums added in order.
-  volatile RunState<S>* const run = run_state<S>();
-  run->total = 0;
-  run->end = end;
+  // Runs of kSegment elements (See Note [runs]): each starts its sums (and, in fast_linear, its
+  // packed lanes) afresh; the chunk's sums are the runs' sums added in order.
+  volatile RunState<T>* const run = run_state<T>(end);
   const auto runs = [&](const auto& one) {
     for (int64_t s = begin; s < run->end;) {
       const int64_t e = min(s + kSegment, run->end);
-      f.ss = 0;
+      run->start(f);
       one(s, e);
-      run->total = run->total + f.ss;  // a NaN / Inf run: non-finite for good (terms are >= 0)
+      run->finish(f);
       s = e;
     }
   };
@@ -297,7 +309,7 @@ __device__ __forceinline__ void scan_chunk(const T* __restrict__ p, const Geomet
   } else {
     runs([&](int64_t s, int64_t e) { fast_linear(f, p, s, e); });
   }
-  f.ss = run->total;
+  run->total_into(f);
   if constexpr (Traits<T>::kFloat) {
     if (__syncthreads_or(!f.clean())) {  // block-uniform; rare: a NaN / Inf, or a sum that overflowed
       classify_chunk<T, M>(p, g, begin, end, dst);
@@ -311,7 +323,8 @@ __device__ __forceinline__ void scan_chunk(const T* __restrict__ p, const Geomet
 // ------------------------------------------------------------------------------- combining
 
 // A partial written by another block of this kernel: read through L2 (ld.global.cg), never from a
-// possibly stale L1 line. (Partials are 64 bytes at 64-byte offsets of an allocator block.)
+// possibly stale L1 line. (Partials are 80 bytes at 80-byte offsets of an allocator block: 16-byte
+// aligned.)
 template <typename A> __device__ __forceinline__ Partial<A> load_partial(const Partial<A>* q) {
   static_assert(sizeof(Partial<A>) % 16 == 0, "Partial is read as uint4");
   uint4 r[sizeof(Partial<A>) / 16];
@@ -326,8 +339,8 @@ template <typename A> __device__ __forceinline__ Partial<A> load_partial(const P
 // ~~~~~~~~~~~~~~~~
 // The last block of summarize_kernel (See Note [one launch] in summarize.cu), and each block of
 // combine_kernel, merges partials in chunk order. The merge is not widened: it is one block of the
-// scan kernel (256 threads, each merging partials t, t + 256, ... two 64-byte loads in flight, then
-// the tree), and with at most 2048 partials (128 KiB, read from L2) that is <= 8 partials per
+// scan kernel (256 threads, each merging partials t, t + 256, ... two 80-byte loads in flight, then
+// the tree), and with at most 2048 partials (160 KiB, read from L2) that is <= 8 partials per
 // thread for tensors up to 2**31 elements. Widening it further would take a second level of tickets
 // (blocks merging groups of partials) or a second launch, for a step of a few microseconds
 // (estimated, not measured).
@@ -337,7 +350,7 @@ template <typename A> __device__ __forceinline__ Partial<A> load_partial(const P
 template <typename A>
 __device__ __forceinline__ Partial<A> merge_partials(const Partial<A>* ws, int64_t lo, int64_t hi) {
   Partial<A> p;
-#pragma unroll 2  // two 64-byte partials in flight; more costs registers the scan kernels do not have
+#pragma unroll 2  // two 80-byte partials in flight; more costs registers the scan kernels do not have
   for (int64_t i = lo + threadIdx.x; i < hi; i += kBlock) p.merge(load_partial(ws + i));
   return block_reduce(p);
 }
@@ -370,26 +383,31 @@ __device__ __forceinline__ bool last_block(unsigned int* ticket) {
 // (see the setup.py build log) plus `-Xptxas -v`, and `cuobjdump -sass` on the object. Earlier
 // counts: benchmarks/results/HISTORY.md.
 // Registers, summarize_kernel contiguous / dense (permuted) / strided, __launch_bounds__(256, 4):
-//   bf16 56 / 64 / 64, fp16 56 / 64 / 64, fp32 56 / 64 / 64, fp64 61 / 64 / 64, float8 e4m3fn
-//   56 / 64 / 64, e5m2 56 / 64 / 64, fnuz 55 / 64 / 64, integers 56 - 64; scan_many_kernel bf16 52,
-//   fp32 52, fp64 64, integers 47 - 64; combine_kernel 48.
-//   No spill in any element loop of the first pass (SASS: no STL / LDL inside any loop that loads
-//   from global memory); the dense / strided kernels store a few words per chunk and run (values of
-//   the chunk loop, arguments of the not-inlined classifying pass). The classifying pass of strided
-//   walks spills inside its loops: fp32 24 spill instructions, fp64 44 / 55 in its two loops, fnuz
-//   8 / 14 -- a chunk with a NaN / Inf only.
+//   bf16 63 / 64 / 64, fp16 62 / 64 / 64, fp32 62 / 64 / 64, fp64 64 / 64 / 64, float8 e4m3fn
+//   62 / 64 / 64, e5m2 62 / 64 / 64, fnuz 64 / 64 / 64, integers 62 - 64; scan_many_kernel bf16 54,
+//   fp32 55, fp64 64, float8 53, integers 54 - 64; combine_kernel 52 (fp32 partials) / 60 (fp64).
+//   No spill in any element loop of the first pass but one that is cold (SASS: no STL / LDL inside
+//   any innermost loop that loads from global memory, except two LDL per 4 elements in the scalar
+//   head / tail loop of bf16 dense, which reads at most one element per thread of a chunk unless the
+//   pointer is not element-aligned); the dense / strided kernels store a few words per chunk and run
+//   (values of the chunk loop, arguments of the not-inlined classifying pass: 24 - 40 bytes, 80 - 144
+//   of stack for fp32 / fp64 / fnuz strided). The classifying pass (not inlined) of strided walks
+//   spills, ptxas's bytes of spill stores / loads: fp32 76 / 240, fp64 340 / 536, fnuz 56 / 108 --
+//   a chunk with a NaN / Inf only.
 // Hot loop (contiguous, a full round of 4 x LDG.128 per thread), SASS instructions per element:
-//   bf16  3.75: FFMA 1, bf16 -> fp32 1 (IMAD.U32 / LOP3), VHMNMX.BF16_V2 0.5 (three-input: min or
-//         max of two pairs at once), HSET2 0.5 + HADD2 / HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
-//   fp16  3.75: the same with HADD2.F32 for the conversions;
-//   float8 e4m3fn / e5m2  4.4: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
-//   fp32  6.5: FFMA 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;  fp64 21.4.
+//   bf16  6.88: FFMA 2, FMUL 1, FADD 1 (the three sums), bf16 -> fp32 1 (IMAD.U32 / LOP3),
+//         VHMNMX.BF16_V2 0.5 (three-input: min or max of two pairs at once), HSET2 0.5 + HADD2 /
+//         HFMA2 0.5 (zero count), LDG 0.125, loop 0.1;
+//   fp16  6.88: the same with HADD2.F32 for the conversions;
+//   float8 e4m3fn / e5m2  7.41: F2FP 0.5 (fp8x2 -> f16x2) + SHF 0.25, then as fp16;
+//   fp32  9.5: FFMA 2, FMUL 1, FADD 1, FMNMX 2, zero count 3 (FSETP + a predicated add), LDG 0.25;
+//   fp64 23.6.
 //   Runs (See Note [runs]) add per 256 elements of a thread a fold of the packed lanes and a few
 //   shared-memory accesses, outside these loop bodies.
 
 // One tensor, one launch (See Note [one launch] in summarize.cu): block b reduces chunks b,
 // b + gridDim.x, ... into ws[chunk]; the last block merges ws[0, nchunks) in chunk order into out
-// (8 doubles).
+// (kRecordSize doubles).
 template <typename T, Mode M>
 __global__ void __launch_bounds__(kBlock, kMinBlocksPerSM)
     summarize_kernel(const T* __restrict__ p, const Geometry g, int64_t chunk, int64_t nchunks,

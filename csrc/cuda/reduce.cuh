@@ -29,8 +29,9 @@ constexpr int kBlock = 256;
 constexpr int kWarps = kBlock / 32;
 constexpr int kUnroll = 4;          // loads in flight per thread
 constexpr int kVecBytes = 16;       // one LDG.128 per vector
-// A chunk is walked as runs of kSegment elements: a thread's squares are summed in runs of
-// kSegment / kBlock = 256 (the record contract: FP32 sums in blocks of at most 256 squares), and the
+// A chunk is walked as runs of kSegment elements: a thread's squares (values, fourth powers) are
+// summed in runs of kSegment / kBlock = 256 (the record contract: FP32 sums in blocks of at most 256
+// terms), and the
 // packed lanes of a run are folded into 32-bit counts before the next run starts. See Note [runs]
 // (kernels.cuh).
 constexpr int64_t kSegment = 65536;
@@ -56,14 +57,22 @@ static_assert(kMinChunk <= kSegment && kMaxChunk % kSegment == 0, "a chunk is on
 static_assert(kMaxChunk <= (int64_t{1} << 23), "int16 squares: a chunk's sum must be exact in fp64");
 
 // Per dtype: V, the type elements are compared in (exact for every value of the dtype); S, the
-// per-thread sum of squares; A, the sumsq accumulator of the record contract (fp32 for <=32-bit
-// floats, fp64 for fp64 and integers). Integers up to 16 bits square exactly in int32 and a thread
-// sums at most kMaxChunk / kBlock = 4096 of them, so their S is an exact int64 (then converted to fp64 exactly):
-// same value as fp64 accumulation, and byte-sized inputs avoid 64-bit compares and fp64 FMAs.
-template <typename T> struct Traits { using V = float; using S = float; using A = float; static constexpr bool kFloat = true; };
-template <> struct Traits<double> { using V = double; using S = double; using A = double; static constexpr bool kFloat = true; };
-#define NANSCAN_INT_TRAITS(T, V_, S_) \
-  template <> struct Traits<T> { using V = V_; using S = S_; using A = double; static constexpr bool kFloat = false; };
+// per-thread sum of squares and of values; S4, the per-thread sum of fourth powers; A, the
+// accumulator of the record contract (fp32 for <=32-bit floats, fp64 for fp64 and integers).
+// Integers up to 16 bits square exactly in int32 and a thread sums at most kMaxChunk / kBlock = 4096
+// of them, so their S is an exact int64 (then converted to fp64 exactly, a chunk's sum being
+// <= 2**50): the value of fp64 accumulation, and byte-sized inputs avoid 64-bit compares and fp64
+// FMAs. Fourth powers (<= 2**60) are summed in fp64 for every integer dtype.
+template <typename T> struct Traits {
+  using V = float; using S = float; using S4 = float; using A = float; static constexpr bool kFloat = true;
+};
+template <> struct Traits<double> {
+  using V = double; using S = double; using S4 = double; using A = double; static constexpr bool kFloat = true;
+};
+#define NANSCAN_INT_TRAITS(T, V_, S_)                                                                  \
+  template <> struct Traits<T> {                                                                       \
+    using V = V_; using S = S_; using S4 = double; using A = double; static constexpr bool kFloat = false; \
+  };
 NANSCAN_INT_TRAITS(bool, int32_t, int64_t)
 NANSCAN_INT_TRAITS(uint8_t, int32_t, int64_t)
 NANSCAN_INT_TRAITS(int8_t, int32_t, int64_t)
@@ -102,25 +111,49 @@ template <typename V> __device__ __forceinline__ V vmax(V a, V b) {
   else return b > a ? b : a;
 }
 
-// The assume-finite state of one thread (first pass): zero count, min, max, sum of squares. For
-// integer dtypes it is the whole record. See Note [assume, then prove] (kernels.cuh).
+// The assume-finite state of one thread (first pass): zero count, min, max, sums of squares, values
+// and fourth powers. For integer dtypes it is the whole record. See Note [assume, then prove]
+// (kernels.cuh).
 template <typename T> struct Fast {
   using V = typename Traits<T>::V;
   using S = typename Traits<T>::S;
+  using S4 = typename Traits<T>::S4;
   using A = typename Traits<T>::A;
   uint32_t zero = 0;
   V mn = std::numeric_limits<V>::has_infinity ? std::numeric_limits<V>::infinity() : std::numeric_limits<V>::max();
   V mx = std::numeric_limits<V>::has_infinity ? -std::numeric_limits<V>::infinity() : std::numeric_limits<V>::lowest();
-  S ss = 0;
+  S ss = 0, s1 = 0;
+  S4 s4 = 0;
 
   __device__ __forceinline__ void add(T raw) {
     const V v = to_val(raw);
     zero += v == V(0);
     mn = vmin(mn, v);
     mx = vmax(mx, v);
-    if constexpr (Traits<T>::kFloat) ss += v * v;  // squared in V: 1e20 in fp32 gives inf, as the record contract says
-    else if constexpr (std::is_integral_v<S>) ss += v * v;  // <= 2**30: exact in int32
-    else ss += S(v) * S(v);
+    add_sums(v);
+  }
+
+  // ss += v * v, s1 += v, s4 += (v * v) ** 2. Floats: squared in V (1e20 in fp32 gives inf, as the
+  // record contract says), the square rounded before it is squared again (so x**4 = fl(x**2)**2, as
+  // the CPU kernel and the reference compute it).
+  __device__ __forceinline__ void add_sums(V v) {
+    if constexpr (Traits<T>::kFloat) {
+      ss = fma(v, v, ss);
+      const V x2 = v * v;
+      s4 = fma(x2, x2, s4);
+      s1 += v;
+    } else if constexpr (std::is_integral_v<S>) {  // <= 16-bit integers: squares <= 2**30, exact in int32
+      const V x2 = v * v;
+      ss += x2;
+      s1 += v;
+      s4 = fma(double(x2), double(x2), s4);
+    } else {
+      const S d = S(v);
+      const S x2 = d * d;
+      ss += x2;
+      s1 += d;
+      s4 = fma(x2, x2, s4);
+    }
   }
 
   // True when every element added was finite (floats: a NaN / Inf square is NaN / Inf and a sum of
@@ -135,6 +168,8 @@ template <typename T> struct Fast {
     mn = vmin(mn, o.mn);
     mx = vmax(mx, o.mx);
     ss += o.ss;
+    s1 += o.s1;
+    s4 += o.s4;
   }
 
   __device__ __forceinline__ Partial<A> partial() const {
@@ -142,6 +177,8 @@ template <typename T> struct Fast {
     p.zero = zero;
     if (mn <= mx) p.min = static_cast<double>(mn), p.max = static_cast<double>(mx);  // else +-inf
     p.sumsq = static_cast<A>(ss);
+    p.sum = static_cast<A>(s1);
+    p.sum4 = static_cast<A>(s4);
     return p;
   }
 };
@@ -152,6 +189,8 @@ template <typename T> __device__ __forceinline__ Fast<T> shfl_down(const Fast<T>
   q.mn = __shfl_down_sync(kFullMask, f.mn, o);
   q.mx = __shfl_down_sync(kFullMask, f.mx, o);
   q.ss = __shfl_down_sync(kFullMask, f.ss, o);
+  q.s1 = __shfl_down_sync(kFullMask, f.s1, o);
+  q.s4 = __shfl_down_sync(kFullMask, f.s4, o);
   return q;
 }
 
@@ -191,6 +230,8 @@ template <typename A> __device__ __forceinline__ Partial<A> shfl_down(const Part
   q.min = __shfl_down_sync(kFullMask, p.min, o);
   q.max = __shfl_down_sync(kFullMask, p.max, o);
   q.sumsq = __shfl_down_sync(kFullMask, p.sumsq, o);
+  q.sum = __shfl_down_sync(kFullMask, p.sum, o);
+  q.sum4 = __shfl_down_sync(kFullMask, p.sum4, o);
   q.first = __shfl_down_sync(kFullMask, p.first, o);
   return q;
 }
@@ -247,8 +288,8 @@ __device__ __forceinline__ float high_float(__nv_bfloat162 x) {
 
 // Two lanes per instruction for the first pass: min and max (HMNMX2: exact, subnormals kept, a NaN
 // lane does not matter since such a chunk is classified again), the zero count as packed 1.0s summed
-// in the lanes' own format (HSET2 + HADD2: at most 128 per lane per run, exact), and the two squares
-// in FP32 (two FFMA, in element order: the same sum as one element at a time).
+// in the lanes' own format (HSET2 + HADD2: at most 128 per lane per run, exact), and the sums of the
+// two lanes in FP32, in element order: the same sums as one element at a time (Fast::add_sums).
 template <typename P> struct Lanes {
   P mn, mx, zeros;
   __device__ __forceinline__ Lanes()
@@ -256,13 +297,12 @@ template <typename P> struct Lanes {
         mx(splat<P>(-std::numeric_limits<float>::infinity())),
         zeros(splat<P>(0.f)) {}
 
-  __device__ __forceinline__ void add(P x, float& ss) {
+  template <typename T> __device__ __forceinline__ void add(P x, Fast<T>& f) {
     mn = __hmin2(mn, x);
     mx = __hmax2(mx, x);
     zeros = __hadd2(zeros, __heq2(x, splat<P>(0.f)));
-    const float lo = low_float(x), hi = high_float(x);
-    ss = fmaf(lo, lo, ss);
-    ss = fmaf(hi, hi, ss);
+    f.add_sums(low_float(x));
+    f.add_sums(high_float(x));
   }
 
   template <typename T> __device__ __forceinline__ void fold_into(Fast<T>& f) const {

@@ -69,7 +69,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // results. A chunk is read as runs of 65536 elements: See Note [runs] (kernels.cuh).
 
 // Smallest power-of-two chunk (>= kMinChunk) that keeps the chunk count near kTargetChunks; depends
-// only on numel -- never on the GPU --, which keeps the merge order (and so sumsq) reproducible.
+// only on numel -- never on the GPU --, which keeps the merge order (and so the sums) reproducible.
 int64_t pick_chunk(int64_t numel) {
   int64_t c = kMinChunk;
   while (c < kMaxChunk && ceil_div(numel, c) > kTargetChunks) c *= 2;
@@ -88,7 +88,7 @@ dim3 grid_of(int64_t blocks) {
 // b, b + grid, ... Each chunk's partial goes to its own slot, so the grid size (and so the GPU
 // model) changes only which block computes a chunk, never a result. The last block to finish (a
 // ticket: See Note [tickets]; last_block in kernels.cuh) merges the partials in CHUNK order with the
-// same fixed tree (See Note [the merge] in kernels.cuh) and writes the float64 [8] row: the record
+// same fixed tree (See Note [the merge] in kernels.cuh) and writes the float64 [kRecordSize] row: the record
 // is a function of the tensor's contents, shape, strides and address alignment (the vector split),
 // bitwise, never of the GPU model or of the order in which blocks finish.
 
@@ -202,7 +202,7 @@ Mode plan(const at::Tensor& t, Geometry& g) {
   return dense ? kDense : kStrided;
 }
 
-// Single-tensor path into out_row (8 doubles on the device). Graph capturable.
+// Single-tensor path into out_row (kRecordSize doubles on the device). Graph capturable.
 void summarize_into(const at::Tensor& x, double* out_row, const at::TensorOptions& dev) {
   Geometry g;
   Mode mode = plan(x, g);

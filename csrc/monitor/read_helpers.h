@@ -29,7 +29,8 @@ inline std::vector<int64_t> headroom_candidates(const at::Tensor& host, const at
   TORCH_CHECK(host.device().is_cpu() && host.scalar_type() == at::kDouble && host.dim() == 2 &&
                   host.size(1) >= kRecordSize && n <= host.size(0) && maxima.scalar_type() == at::kDouble &&
                   maxima.numel() >= n,
-              "nanscan: headroom_candidates expects [rows >= n, >= 8] float64 host records and n float64 maxima");
+              "nanscan: headroom_candidates expects [rows >= n, >= ", kRecordSize,
+              "] float64 host records and n float64 maxima");
   const at::Tensor rows = host.contiguous();
   const at::Tensor limits = maxima.contiguous();
   const double* data = rows.const_data_ptr<double>();

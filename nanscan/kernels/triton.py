@@ -60,7 +60,7 @@ from nanscan.kernels.triton_kernels import (
 __all__ = ["INTERPRETING", "SUPPORTED_TEXT", "summarize", "summarize_many"]
 
 _INF = float("inf")
-_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0]  # the record of an empty tensor
+_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0, 0.0, 0.0]  # the record of an empty tensor
 
 
 def _prepare(x: torch.Tensor, op: str):
@@ -124,7 +124,7 @@ def _iters_for(nblocks: int) -> int:
 
 
 def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
-    """Write the record of the flat contiguous tensor t into out ([8] float64, t.device)."""
+    """Write the record of the flat contiguous tensor t into out ([RECORD_SIZE] float64, t.device)."""
     n = t.numel()
     if n == 0:  # the identity record: no kernel, one small host-to-device copy
         if not _capturing(out.device):
@@ -143,7 +143,7 @@ def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
     assert block % _UNROLL == 0, block
     nchunks = triton.cdiv(n, block * iters)
     part_i = torch.empty(5 * nchunks, dtype=torch.int64, device=t.device)
-    part_f = torch.empty(3 * nchunks, dtype=torch.float64, device=t.device)
+    part_f = torch.empty(5 * nchunks, dtype=torch.float64, device=t.device)
     with _device_guard(t.device):
         _stage1_kernel[(nchunks,)](
             t, n, iters, part_i, 0, 0, part_i, part_f, nchunks,
@@ -156,7 +156,7 @@ def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
 
 
 def summarize(x: torch.Tensor, *, _block=None, _iters=None) -> torch.Tensor:
-    """Float64 ``[8]`` record of ``x`` on ``x.device`` (two launches; none for an empty tensor).
+    """Float64 ``[RECORD_SIZE]`` record of ``x`` on ``x.device`` (two launches; none for an empty tensor).
 
     Non-contiguous ``x`` is copied with ``.contiguous()`` first (a known limitation of this backend).
     ``_block`` / ``_iters`` override the tile size / tiles per program (tests only)."""
@@ -177,14 +177,14 @@ def _check_list(xs, op):
 
 
 def summarize_many(xs: list) -> torch.Tensor:
-    """Float64 ``[len(xs), 8]`` records, one row per tensor, on the tensors' (common) device.
+    """Float64 ``[len(xs), RECORD_SIZE]`` records, one row per tensor, on the tensors' (common) device.
 
     On CUDA this is the pointer-table path (``_summarize_many_table``): one stage-1 launch per
     (element kind, alignment) group and one stage-2 launch for all tensors, no host sync. Under
     ``TRITON_INTERPRET=1``, and during CUDA graph capture (the table is built on the host per call,
     in a temporary pinned buffer that a captured copy would re-read at every replay after it was
     freed), it is a Python loop of two launches per tensor writing rows of the output. An empty list
-    gives a ``[0, 8]`` CPU tensor."""
+    gives a ``[0, RECORD_SIZE]`` CPU tensor."""
     op = "nanscan.triton_summarize_many"
     xs = list(xs)
     if not xs:
@@ -344,7 +344,7 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
 
     rows = max(total, 1)
     part_i = torch.empty(5 * rows, dtype=torch.int64, device=device)
-    part_f = torch.empty(3 * rows, dtype=torch.float64, device=device)
+    part_f = torch.empty(5 * rows, dtype=torch.float64, device=device)
     with _device_guard(device):
         for (kind, acc64, code, aligned), start, count, iters, block, options in plan:
             _stage1_kernel[(count,)](

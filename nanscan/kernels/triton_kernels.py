@@ -2,7 +2,7 @@
 that they and their launcher (:mod:`nanscan.kernels.triton`, which validates inputs and launches
 them) share.
 
-Each record (float64 ``[8]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
+Each record (float64 ``[10]``, layout in ``csrc/record.h`` / :mod:`nanscan.record`) is computed in two
 deterministic stages, with no atomics:
 
 stage 1 (``_stage1_kernel``)
@@ -10,23 +10,25 @@ stage 1 (``_stage1_kernel``)
     elements, a tile four 16-byte loads per thread (full tiles are loaded without a mask, so they
     vectorize; the rest of a chunk, < BLOCK elements, is read one masked load at a time), and
     writes one partial: nan / +inf / -inf / zero counts and the first non-finite index (int64),
-    finite min, finite max and sum of squares (stored as float64; min/max are exact, and the sum
-    of squares of a float32-accumulated chunk is a float32 value, so it is stored exactly too).
-    Like the CPU and CUDA kernels it assumes the chunk is clean and proves it afterwards: the fast
-    pass keeps only per-lane zero counts and min / max / sum of squares of the raw values; a NaN
+    finite min, finite max and the sums of squares, values and fourth powers (stored as float64;
+    min/max are exact, and the sums of a float32-accumulated chunk are float32 values, so they are
+    stored exactly too). Like the CPU and CUDA kernels it assumes the chunk is clean and proves it
+    afterwards: the fast pass keeps only the zero count, min / max (one lane per thread) and the
+    three sums (one lane per element of a load: at most 256 elements each) of the raw values; a NaN
     or +-inf element turns its lane's sum of squares NaN or +inf, so only a chunk whose sum of
     squares is not finite (a non-finite element, or squares that overflowed) is read a second
     time, classifying every element (``_rescan``). With every element non-finite a chunk is read
     twice; integer chunks never are.
 stage 2 (``_stage2_kernel``)
     One program per tensor combines that tensor's partials in a fixed order (counts in int64, the
-    sum of squares in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
+    sums in float32 for 8/16/32-bit floating inputs, float64 otherwise) and writes the
     record with the raw conventions (min = +inf / max = -inf without a finite element, first = -1
     without a non-finite one).
 
-Numerics: elements are compared and squared in float32 for fp32 / fp16 / bf16 / float8 (so
-``1e20**2`` is +inf and sumsq may be +inf from overflow), in float64 for fp64, integer and bool
-inputs; the per-lane float32 order differs from torch's pairwise sum by a few ulps * chunk length.
+Numerics: elements are compared, squared and summed in float32 for fp32 / fp16 / bf16 / float8 (so
+``1e20**2`` is +inf and sumsq may be +inf from overflow, sum4 from ``|x|`` ~ 4.3e9), in float64 for
+fp64, integer and bool inputs; the per-lane float32 order differs from torch's pairwise sum by a few
+ulps * chunk length.
 Integer inputs are converted to float64 in the kernel: ``finite_min`` / ``finite_max`` of int64
 values with ``|x| > 2**53`` are rounded to the nearest float64 (as in every backend: records are
 float64). Complex inputs are summarized as ``torch.view_as_real(x)``. float8 inputs
@@ -41,9 +43,9 @@ The launch grid (H200: 132 SMs; numbers for sm_90, triton 3.8, 4-warp programs).
 program per chunk, and the chunking -- so the fp32 merge order of the sum of squares -- is a
 function of numel and dtype only (the launcher's ``_iters_for``: [2048, 4096) chunks for tensors of 2048 tiles or
 more, up to _MAX_ITERS tiles per chunk). The hardware keeps 65536 / (32 * regs rounded up to 8) /
-4 programs of a stage-1 kernel resident per SM: 12 at 40 registers (fp32, fp64), 9 at 54-56
-(int32, bool), 8 at 64 (fp16), 7 at 65-72 (bf16 uncapped: 70, and fp16 / bf16 on triton 3.6).
-A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
+4 programs of a stage-1 kernel resident per SM: 10 at 46-48 registers (fp32, fp64, float8, int32),
+8 at 57-64 (bf16 and fp16 capped at 64, bool 60), 7 at 65-72 and 6 at 73-80 (bf16 / fp16 uncapped:
+71 / 80). A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
 waves whose last one holds 1.5 programs per SM: each program keeps 8 KiB in flight, and by
 Little's law (4.8 TB/s * ~650 ns) ~3 per SM are needed to keep HBM busy, so the last wave runs at
 about half bandwidth (an estimate, not a measurement).
@@ -68,14 +70,16 @@ What was considered:
   stage 2 still reads <= 4096 partials per tensor, 8 loads per 256), and the occupancy that sets
   the wave count goes up where it was lost: fp16 / bf16 stage-1 kernels are compiled with
   ``maxnreg=64`` (_MAXNREG), so bf16 takes 64 registers and keeps 8 programs per SM: 16M bf16 is
-  1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5, and fp16
-  stays at 8 on triton 3.6 as well. The cost: one 32-bit spill outside the loops (one STL / LDL
-  per chunk) and one more instruction in the fast loop (237). The four block reductions at the
-  end of a chunk are one ``tl.reduce`` of four operands (4 barriers per chunk, where four separate
-  reductions take 8, for the same ~105 instructions; the sum's order is a function of BLOCK and
-  _NUM_WARPS only). Other sizes and dtypes keep their waves (fp32 16M: 1.29 waves, the last
-  at 3.5 programs per SM, enough to keep HBM busy). To be confirmed on a GPU: the compiled bf16 /
-  fp16 kernels' n_regs (64) on triton 3.6, and that bf16 16M is faster, not slower, capped.
+  1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5 (fp16: 6 ->
+  8). The cost: a few 32-bit spills outside the fast loop (bf16: two STL / LDL per chunk; fp16: three,
+  two of them in the rescan's loop, which only a chunk with a NaN / Inf runs) and two more
+  instructions in the fast loop (333). The six block reductions at the end of a chunk are one
+  ``tl.reduce`` of six operands (one round trip through shared memory, where six separate reductions
+  take six; the sums' order is a function of BLOCK and _NUM_WARPS only). Other dtypes are not
+  capped: fp32 / fp64 / float8 at 46 registers keep 10 programs per SM (capped at 40 they would keep
+  12 but spill three words per tile inside the fast loop); fp32 16M is 1.55 waves, the last at 5.5
+  programs per SM, enough to keep HBM busy. To be confirmed on a GPU: the compiled kernels' n_regs on
+  triton 3.6, and that bf16 16M is faster, not slower, capped.
 """
 
 import os
@@ -83,6 +87,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from nanscan.record import RECORD_SIZE, Field  # RECORD_SIZE: float64 values per record (re-exported)
 
 # Whether the kernels below are interpreted: triton.jit reads TRITON_INTERPRET when it decorates
 # them, i.e. when this module is first imported, and so does this flag (tests/conftest.py sets it
@@ -122,7 +128,9 @@ def _interpreter_index_of_one_element_blocks() -> None:
 if INTERPRETING:
     _interpreter_index_of_one_element_blocks()
 
-RECORD_SIZE = 8  # float64 values per record (stage 2 writes out[8 * t : 8 * t + 8])
+# Stage 2 writes record t at out[10 * t : 10 * t + 10], the fields at these offsets (literals in the
+# kernel: a jit function reads no plain global).
+assert RECORD_SIZE == 10 and [int(f) for f in Field] == list(range(10)) and Field.SUM == 8 and Field.SUM4 == 9
 
 # Element kinds (constexpr KIND of the stage-1 kernel).
 _KIND_FLOAT = 0  # fp64 / fp32 / fp16 / bf16, loaded natively
@@ -173,12 +181,13 @@ _BLOCK_BY_ITEMSIZE = {s: _NUM_WARPS * 32 * _UNROLL * 16 // s for s in (8, 4, 2)}
 _BLOCK_OTHER = _NUM_WARPS * 32 * _UNROLL * 4
 _TARGET_PROGRAMS = 2048
 # Register cap (ptxas .maxnreg) of the stage-1 kernel per (kind, element size); none where absent.
-# fp16 / bf16 tiles hold 32 elements per thread in three float32 accumulators and an int32 count
-# of 8 lanes each: uncapped they take 64 (fp16) / 70 (bf16) registers on triton 3.8 and ~70 on
-# 3.6, i.e. 7 programs per SM on sm_90 (a 4-warp program at 65-72 registers), 8 at <= 64. Capped
-# at 64, bf16 keeps its fast loop (237 instructions, one more than uncapped) and spills one
-# 32-bit value outside the loops (one STL / LDL per chunk, in the epilogue). See the launch-grid
-# paragraph of the module docstring for why occupancy, and not the grid shape, moves the tail.
+# fp16 / bf16 tiles hold 32 elements per thread, and their three float32 sums 8 lanes each: uncapped
+# they take 80 (fp16) / 71 (bf16) registers on triton 3.8, i.e. 6 / 7 programs per SM on sm_90 (a
+# 4-warp program at 73-80 / 65-72 registers), 8 at <= 64. Capped at 64 they keep their fast loops
+# (bf16 333 instructions, two more than uncapped; no spill inside) and spill two or three 32-bit
+# values outside them (bf16: in the epilogue, once per chunk; fp16: also in the rescan's loop). See
+# the launch-grid paragraph of the module docstring for why occupancy, and not the grid shape, moves
+# the tail.
 _MAXNREG = {(_KIND_FLOAT, 2): 64}
 _MAX_ITERS = 64
 # The rescan packs three per-lane counters into one int32, 10 bits each; a lane sees
@@ -299,35 +308,70 @@ def _value(raw, KIND: tl.constexpr, ACC64: tl.constexpr):
 
 
 @triton.jit
-def _fold_fast(v, loc, rem, zeros, vmin, vmax, vss, MASKED: tl.constexpr):
+def _min_select(a, b):
+    return tl.where(b < a, b, a)
+
+
+@triton.jit
+def _max_select(a, b):
+    return tl.where(b > a, b, a)
+
+
+@triton.jit
+def _fold_fast(v, loc, rem, zeros, vmin, vmax, vss, vsum, vs4, MASKED: tl.constexpr, PT: tl.constexpr,
+               FOLD_SUMS: tl.constexpr):
     """Fast path for one load: zeros += [v = 0], vmin = min(vmin, v), vmax = max(vmax, v),
-    vss += v * v, per lane, with no classification.
+    vss += v * v, vsum += v, vs4 += (v * v) ** 2, with no classification.
+
+    Lanes. The sums are kept per element lane (SUB lanes: a lane sees at most iters * 4 <= 256
+    elements of a chunk, the FP32 blocks of the record contract). The zero count, min and max are
+    exact whatever the order, so each thread first folds its PT consecutive elements of the load
+    (in registers: a reshape that keeps the thread's elements together) into one lane of SUB / PT:
+    the same instructions per element, PT times fewer accumulator registers. FOLD_SUMS folds the
+    sums too (float64 sums of integers, where no FP32 blocks apply).
 
     A NaN or +-inf element makes its lane's sum of squares NaN or +inf (its square is, and sums of
     non-negative numbers never go back to finite), so a chunk whose sum of squares is finite had
-    no non-finite element and these min / max / sum are its finite min / max / sum. Otherwise
-    the chunk is rescanned (_rescan) and only the zero count of this pass is kept (NaN and +-inf
-    are never 0, so it is exact either way)."""
+    no non-finite element and these min / max / sums are its finite min / max / sums (a sum of
+    fourth powers may be +inf from overflow in a clean chunk: the rescan would say the same).
+    Otherwise the chunk is rescanned (_rescan) and only the zero count of this pass is kept (NaN
+    and +-inf are never 0, so it is exact either way)."""
+    SUB: tl.constexpr = v.shape[0]
     iz = v == 0
     if MASKED:
         m = loc < rem
         iz = iz & m
-        vmin = tl.minimum(vmin, tl.where(m, v, float("inf")))
-        vmax = tl.maximum(vmax, tl.where(m, v, float("-inf")))
-    elif v.dtype == tl.float64:
+        lo = tl.where(m, v, float("inf"))
+        hi = tl.where(m, v, float("-inf"))
+    else:
+        lo = v
+        hi = v
+    zeros += tl.sum(tl.reshape(iz.to(tl.int32), [SUB // PT, PT]), axis=1)
+    if v.dtype == tl.float64:
         # no float64 min / max instruction: minnum would cost a compare, two selects and a NaN
         # fix-up per element; a compare and a select are enough (NaN lanes are rescanned anyway)
-        vmin = tl.where(v < vmin, v, vmin)
-        vmax = tl.where(v > vmax, v, vmax)
+        mn = tl.reduce(tl.reshape(lo, [SUB // PT, PT]), 1, _min_select)
+        mx = tl.reduce(tl.reshape(hi, [SUB // PT, PT]), 1, _max_select)
+        vmin = tl.where(mn < vmin, mn, vmin)
+        vmax = tl.where(mx > vmax, mx, vmax)
     else:
-        vmin = tl.minimum(vmin, v)
-        vmax = tl.maximum(vmax, v)
-    return zeros + iz.to(tl.int32), vmin, vmax, vss + v * v
+        vmin = tl.minimum(vmin, tl.min(tl.reshape(lo, [SUB // PT, PT]), axis=1))
+        vmax = tl.maximum(vmax, tl.max(tl.reshape(hi, [SUB // PT, PT]), axis=1))
+    x2 = v * v
+    if FOLD_SUMS:
+        vss += tl.sum(tl.reshape(x2, [SUB // PT, PT]), axis=1)
+        vsum += tl.sum(tl.reshape(v, [SUB // PT, PT]), axis=1)
+        vs4 += tl.sum(tl.reshape(x2 * x2, [SUB // PT, PT]), axis=1)
+    else:
+        vss += x2
+        vsum += v
+        vs4 += x2 * x2
+    return zeros, vmin, vmax, vss, vsum, vs4
 
 
 @triton.jit
-def _tile_fast(p, base, rem, zeros, vmin, vmax, vss,
-               KIND: tl.constexpr, ACC64: tl.constexpr, BLOCK: tl.constexpr):
+def _tile_fast(p, base, rem, zeros, vmin, vmax, vss, vsum, vs4,
+               KIND: tl.constexpr, ACC64: tl.constexpr, BLOCK: tl.constexpr, PT: tl.constexpr):
     """Fold the full tile p[base : base + BLOCK] into the per-lane fast-path accumulators (BLOCK / 4
     lanes). The four loads are issued before any of them is used: each thread then has four
     16-byte loads (64 bytes) in flight."""
@@ -340,20 +384,26 @@ def _tile_fast(p, base, rem, zeros, vmin, vmax, vss,
     r1 = _load(p, l1, rem, False)
     r2 = _load(p, l2, rem, False)
     r3 = _load(p, l3, rem, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r0, KIND, ACC64), l0, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r1, KIND, ACC64), l1, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r2, KIND, ACC64), l2, rem, zeros, vmin, vmax, vss, False)
-    zeros, vmin, vmax, vss = _fold_fast(_value(r3, KIND, ACC64), l3, rem, zeros, vmin, vmax, vss, False)
-    return zeros, vmin, vmax, vss
+    zeros, vmin, vmax, vss, vsum, vs4 = _fold_fast(_value(r0, KIND, ACC64), l0, rem, zeros, vmin, vmax, vss, vsum,
+                                                   vs4, False, PT, KIND == 1)
+    zeros, vmin, vmax, vss, vsum, vs4 = _fold_fast(_value(r1, KIND, ACC64), l1, rem, zeros, vmin, vmax, vss, vsum,
+                                                   vs4, False, PT, KIND == 1)
+    zeros, vmin, vmax, vss, vsum, vs4 = _fold_fast(_value(r2, KIND, ACC64), l2, rem, zeros, vmin, vmax, vss, vsum,
+                                                   vs4, False, PT, KIND == 1)
+    zeros, vmin, vmax, vss, vsum, vs4 = _fold_fast(_value(r3, KIND, ACC64), l3, rem, zeros, vmin, vmax, vss, vsum,
+                                                   vs4, False, PT, KIND == 1)
+    return zeros, vmin, vmax, vss, vsum, vs4
 
 
 @triton.jit
-def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vfirst, MASKED: tl.constexpr):
+def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vsum, vs4, vfirst, MASKED: tl.constexpr,
+                   PT: tl.constexpr):
     """Rescan of one load: classify every element. counts packs three per-lane counters into one
     int32 (bits 0-9 NaN, 10-19 +inf, 20-29 -inf; a lane sees iters * 4 <= 1020 elements per
-    chunk); vmin / vmax / vss skip non-finite elements; vfirst is the smallest chunk-local index
-    of a non-finite element per lane (2**31 - 1: none). Masked lanes hold 0: finite, and
-    excluded from min / max."""
+    chunk); vmin / vmax / vss / vsum / vs4 skip non-finite elements; vfirst is the smallest chunk-local index
+    of a non-finite element (2**31 - 1: none). Masked lanes hold 0: finite, and excluded from
+    min / max. vmin / vmax / vfirst keep one lane per thread (PT elements, as in _fold_fast)."""
+    SUB: tl.constexpr = v.shape[0]
     isnan = v != v
     ispinf = v == float("inf")
     isninf = v == float("-inf")
@@ -362,80 +412,90 @@ def _fold_classify(v, loc, rem, counts, vmin, vmax, vss, vfirst, MASKED: tl.cons
         skip = nonfinite | (loc >= rem)
     else:
         skip = nonfinite
-    vmin = tl.minimum(vmin, tl.where(skip, float("inf"), v))
-    vmax = tl.maximum(vmax, tl.where(skip, float("-inf"), v))
-    vss += tl.where(nonfinite, 0.0, v * v)
+    vmin = tl.minimum(vmin, tl.min(tl.reshape(tl.where(skip, float("inf"), v), [SUB // PT, PT]), axis=1))
+    vmax = tl.maximum(vmax, tl.max(tl.reshape(tl.where(skip, float("-inf"), v), [SUB // PT, PT]), axis=1))
+    fv = tl.where(nonfinite, 0.0, v)
+    x2 = fv * fv
+    vss += x2
+    vsum += fv
+    vs4 += x2 * x2
     counts += isnan.to(tl.int32) | (ispinf.to(tl.int32) << 10) | (isninf.to(tl.int32) << 20)
-    vfirst = tl.minimum(vfirst, tl.where(nonfinite, loc, 2147483647))
-    return counts, vmin, vmax, vss, vfirst
+    vfirst = tl.minimum(vfirst, tl.min(tl.reshape(tl.where(nonfinite, loc, 2147483647), [SUB // PT, PT]), axis=1))
+    return counts, vmin, vmax, vss, vsum, vs4, vfirst
 
 
 @triton.jit
-def _combine_fast(z0, mn0, mx0, ss0, z1, mn1, mx1, ss1):
-    """Combine of the fast pass's per-lane (zero count, min, max, sum of squares)."""
-    return z0 + z1, tl.minimum(mn0, mn1), tl.maximum(mx0, mx1), ss0 + ss1
+def _combine_fast(z0, mn0, mx0, ss0, s0, s40, z1, mn1, mx1, ss1, s1, s41):
+    """Combine of the fast pass's per-lane (zero count, min, max, sums of squares, values, fourth
+    powers)."""
+    return z0 + z1, tl.minimum(mn0, mn1), tl.maximum(mx0, mx1), ss0 + ss1, s0 + s1, s40 + s41
 
 
 @triton.jit
-def _accumulators(ACC64: tl.constexpr, SUB: tl.constexpr):
-    """Per-lane identities of min / max / sum of squares in the compute type."""
+def _accumulators(ACC64: tl.constexpr, SUB: tl.constexpr, LANES: tl.constexpr = 0):
+    """Identities of min / max (LANES lanes; SUB when 0) and of the sums of squares, values and fourth
+    powers (SUB lanes) in the compute type."""
+    N: tl.constexpr = SUB if LANES == 0 else LANES
     if ACC64:
-        vmin = tl.full([SUB], float("inf"), tl.float64)
-        vmax = tl.full([SUB], float("-inf"), tl.float64)
+        vmin = tl.full([N], float("inf"), tl.float64)
+        vmax = tl.full([N], float("-inf"), tl.float64)
         vss = tl.zeros([SUB], tl.float64)
     else:
-        vmin = tl.full([SUB], float("inf"), tl.float32)
-        vmax = tl.full([SUB], float("-inf"), tl.float32)
+        vmin = tl.full([N], float("inf"), tl.float32)
+        vmax = tl.full([N], float("-inf"), tl.float32)
         vss = tl.zeros([SUB], tl.float32)
-    return vmin, vmax, vss
+    return vmin, vmax, vss, vss, vss
 
 
 @triton.jit
-def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB: tl.constexpr):
+def _rescan(p, start, rem, n_subs, KIND: tl.constexpr, ACC64: tl.constexpr, SUB: tl.constexpr, PT: tl.constexpr):
     """Second pass over a chunk the fast path saw a non-finite value (or an overflowing square)
-    in: (nan, +inf, -inf) counts, finite min / max / sum of squares, and the first non-finite
-    index (global, int64; INT64_MAX: none) of elements p[0 : rem], p = chunk start, in n_subs
-    loads of SUB elements. One load per iteration: this path is rare, and its five per-lane
-    accumulators would otherwise raise the register count (and lower the occupancy) of the
-    whole kernel, fast path included."""
+    in: (nan, +inf, -inf) counts, finite min / max / sums of squares, values and fourth powers,
+    and the first non-finite index (global, int64; INT64_MAX: none) of elements p[0 : rem],
+    p = chunk start, in n_subs loads of SUB elements. One load per iteration: this path is rare,
+    and its seven per-lane accumulators would otherwise raise the register count (and lower the
+    occupancy) of the whole kernel, fast path included."""
     counts = tl.zeros([SUB], tl.int32)
-    vfirst = tl.full([SUB], 2147483647, tl.int32)
-    vmin, vmax, vss = _accumulators(ACC64, SUB)
+    vfirst = tl.full([SUB // PT], 2147483647, tl.int32)
+    vmin, vmax, vss, vsum, vs4 = _accumulators(ACC64, SUB, SUB // PT)
     n_full = rem // SUB
     for j in range(0, n_full):
         loc = j * SUB + tl.arange(0, SUB)
-        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, False), KIND, ACC64), loc, rem,
-                                                         counts, vmin, vmax, vss, vfirst, False)
+        counts, vmin, vmax, vss, vsum, vs4, vfirst = _fold_classify(
+            _value(_load(p, loc, rem, False), KIND, ACC64), loc, rem, counts, vmin, vmax, vss, vsum, vs4, vfirst,
+            False, PT)
     for j in range(n_full, n_subs):  # at most one partial load
         loc = j * SUB + tl.arange(0, SUB)
-        counts, vmin, vmax, vss, vfirst = _fold_classify(_value(_load(p, loc, rem, True), KIND, ACC64), loc, rem,
-                                                         counts, vmin, vmax, vss, vfirst, True)
+        counts, vmin, vmax, vss, vsum, vs4, vfirst = _fold_classify(
+            _value(_load(p, loc, rem, True), KIND, ACC64), loc, rem, counts, vmin, vmax, vss, vsum, vs4, vfirst,
+            True, PT)
     f = tl.min(vfirst, axis=0)
     first = tl.where(f == 2147483647, 9223372036854775807, start + f.to(tl.int64))
     return (tl.sum(counts & 1023, axis=0).to(tl.int64), tl.sum((counts >> 10) & 1023, axis=0).to(tl.int64),
             tl.sum(counts >> 20, axis=0).to(tl.int64), tl.min(vmin, axis=0), tl.max(vmax, axis=0),
-            tl.sum(vss, axis=0), first)
+            tl.sum(vss, axis=0), tl.sum(vsum, axis=0), tl.sum(vs4, axis=0), first)
 
 
 # Expected instruction mix of the clean fast path, measured statically (no GPU): the kernel
 # compiled ahead of time for sm_90, SASS of its full-tile loop, `.venv/bin/python -m
-# benchmarks.triton_isa` (triton 3.8; 3.6 within 5%):
+# benchmarks.triton_isa` (triton 3.8):
 #   dtype  instructions / element  registers  bytes in flight / thread
-#   fp32        6.8                 40         64
-#   bf16        7.4                 64         64   (70 without the maxnreg=64 cap)
-#   fp16        7.2                 64         64   (capped at 64 too: ~70 on triton 3.6)
-#   fp64       11.5                 40         64
+#   fp32       10.1                 46         64
+#   bf16       10.4                 64         64   (71 without the maxnreg=64 cap)
+#   fp16       10.2                 64         64   (80 without the cap)
+#   fp64       14.8                 46         64
 # (A kernel that classifies every element takes 24 - 42 instructions per element: `--rev 8e80e4b`
-# compiles one.) fp32 per 16 elements: 4 LDG.128, 32 FMNMX (min, max), 16 FFMA (sum of squares),
-# 16 FSETP + ~34 integer instructions (the zero count: mostly an add of 1 undone by a move under
-# the predicate) and ~7 of loop control. The masked rest of a chunk (< BLOCK elements) and the
-# rescan are separate loops.
+# compiles one.) fp32 per 16 elements: 4 LDG.128, 32 FMNMX (min, max: 4 per thread's 4 elements and
+# its lane), 32 FFMA + 16 FMUL (squares and fourth powers), 16 FADD (sum), 16 FSETP + 16 SEL + ~24
+# integer instructions (the zero count, addresses) and ~5 of loop control. The masked rest of a
+# chunk (< BLOCK elements) and the rescan are separate loops.
 @triton.jit(do_not_specialize=_STAGE1_DO_NOT_SPECIALIZE)
 def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, part_f, total,
                    KIND: tl.constexpr, ACC64: tl.constexpr, CODE: tl.constexpr,
                    MULTI: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
     """One partial per chunk of iters * BLOCK elements, in two passes like the CPU and CUDA
-    kernels: a fast pass that only keeps the zero count and per-lane min / max / sum of squares,
+    kernels: a fast pass that only keeps the zero count and per-lane min / max / sums (of squares,
+    values, fourth powers),
     then -- only in a chunk whose sum of squares came out NaN or +inf, i.e. that held a NaN /
     +-inf element or whose squares overflowed -- a rescan of that chunk that classifies every
     element (_rescan). Integers are finite: no rescan.
@@ -446,7 +506,7 @@ def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, p
     t = meta[5 * meta_rows + gid] its tensor, whose data pointer is meta[t], element count
     meta[meta_rows + t] and first global chunk meta[2 * meta_rows + t]. Partials are stored
     struct-of-arrays with row stride `total`: part_i[k * total + gid] (k: nan, +inf, -inf, zero,
-    first) and part_f[k * total + gid] (k: min, max, sumsq).
+    first) and part_f[k * total + gid] (k: min, max, sumsq, sum, sum4).
 
     Every element index and offset is int64 (tensors may have more than 2**31 elements); only
     chunk-local indices, < iters * BLOCK < 2**31, are int32.
@@ -473,21 +533,30 @@ def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, p
     n_full = rem32 // BLOCK  # full tiles
     n_subs = (rem32 + SUB - 1) // SUB  # loads, the last one partial when SUB does not divide rem
 
-    zeros = tl.zeros([SUB], tl.int32)
-    vmin, vmax, vss = _accumulators(ACC64, SUB)
+    # PT: elements per thread in one load (SUB / (32 * _NUM_WARPS), 1 for the tests' small tiles);
+    # the zero count, min and max keep one lane per thread (see _fold_fast), integer sums too
+    PT: tl.constexpr = (SUB + 127) // 128
+    LANES: tl.constexpr = SUB // PT
+    SUM_LANES: tl.constexpr = LANES if KIND == 1 else SUB
+    zeros = tl.zeros([LANES], tl.int32)
+    vmin, vmax, vss, vsum, vs4 = _accumulators(ACC64, SUM_LANES, LANES)
     for i in range(0, n_full):
-        zeros, vmin, vmax, vss = _tile_fast(p, i * BLOCK, rem32, zeros, vmin, vmax, vss,
-                                            KIND, ACC64, BLOCK)
+        zeros, vmin, vmax, vss, vsum, vs4 = _tile_fast(p, i * BLOCK, rem32, zeros, vmin, vmax, vss, vsum, vs4,
+                                                       KIND, ACC64, BLOCK, PT)
     # the rest, < BLOCK elements, one masked load at a time (at most four; one load's registers)
     for j in range(n_full * 4, n_subs):
         loc = j * SUB + tl.arange(0, SUB)
-        zeros, vmin, vmax, vss = _fold_fast(_value(_load(p, loc, rem32, True), KIND, ACC64), loc, rem32,
-                                            zeros, vmin, vmax, vss, True)
+        zeros, vmin, vmax, vss, vsum, vs4 = _fold_fast(_value(_load(p, loc, rem32, True), KIND, ACC64), loc, rem32,
+                                                       zeros, vmin, vmax, vss, vsum, vs4, True, PT, KIND == 1)
+    if KIND != 1:  # each thread's sums of its PT lanes, in lane order (registers only)
+        vss = tl.sum(tl.reshape(vss, [LANES, PT]), axis=1)
+        vsum = tl.sum(tl.reshape(vsum, [LANES, PT]), axis=1)
+        vs4 = tl.sum(tl.reshape(vs4, [LANES, PT]), axis=1)
 
-    # one reduction of the four accumulators together: one round trip through shared memory (two
-    # barriers) instead of four; the sum of squares' order (in-thread, then the same butterfly and
-    # cross-warp tree as tl.sum) is a function of BLOCK and _NUM_WARPS only
-    nz32, mn, mx, ss = tl.reduce((zeros, vmin, vmax, vss), 0, _combine_fast)
+    # one reduction of the six accumulators together: one round trip through shared memory (two
+    # barriers) instead of six; the sums' order (in-thread, then the same butterfly and cross-warp
+    # tree as tl.sum) is a function of BLOCK and _NUM_WARPS only
+    nz32, mn, mx, ss, s1, s4 = tl.reduce((zeros, vmin, vmax, vss, vsum, vs4), 0, _combine_fast)
     n_zero = nz32.to(tl.int64)
     n_nan = n_zero * 0
     n_pinf = n_nan
@@ -497,7 +566,8 @@ def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, p
         # ss >= 0 is a sum of squares: it is NaN or +inf iff some lane saw a non-finite element
         # or an overflow (then the rescan's sum is +inf too). Once per chunk; rarely taken.
         if (ss != ss) | (ss == float("inf")):
-            n_nan, n_pinf, n_ninf, mn, mx, ss, first = _rescan(p, start, rem32, n_subs, KIND, ACC64, SUB)
+            n_nan, n_pinf, n_ninf, mn, mx, ss, s1, s4, first = _rescan(p, start, rem32, n_subs, KIND, ACC64, SUB,
+                                                                       PT)
     tl.store(part_i + gid, n_nan)
     tl.store(part_i + total64 + gid, n_pinf)
     tl.store(part_i + 2 * total64 + gid, n_ninf)
@@ -506,14 +576,16 @@ def _stage1_kernel(x_ptr, numel, iters, meta, meta_rows, chunk_offset, part_i, p
     tl.store(part_f + gid, mn.to(tl.float64))
     tl.store(part_f + total64 + gid, mx.to(tl.float64))
     tl.store(part_f + 2 * total64 + gid, ss.to(tl.float64))
+    tl.store(part_f + 3 * total64 + gid, s1.to(tl.float64))
+    tl.store(part_f + 4 * total64 + gid, s4.to(tl.float64))
 
 
 @triton.jit(do_not_specialize=_STAGE2_DO_NOT_SPECIALIZE)
 def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
                    MULTI: tl.constexpr, BLOCK2: tl.constexpr):
     """Record of tensor t = program id from its partials [base, base + n), combined in a fixed order.
-    Single tensor (MULTI=False): base 0, n = nchunks, float64 sumsq iff acc64 != 0.
-    Multi-tensor: base = meta[2 * meta_rows + t], n = meta[3 * meta_rows + t], float64 sumsq iff
+    Single tensor (MULTI=False): base 0, n = nchunks, float64 sums iff acc64 != 0.
+    Multi-tensor: base = meta[2 * meta_rows + t], n = meta[3 * meta_rows + t], float64 sums iff
     meta[4 * meta_rows + t] != 0 (see _stage1_kernel)."""
     t = tl.program_id(0).to(tl.int64)
     total64 = total.to(tl.int64)
@@ -536,6 +608,10 @@ def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
     vmax = tl.full([BLOCK2], float("-inf"), tl.float64)
     ss32 = tl.zeros([BLOCK2], tl.float32)
     ss64 = tl.zeros([BLOCK2], tl.float64)
+    s1_32 = tl.zeros([BLOCK2], tl.float32)
+    s1_64 = tl.zeros([BLOCK2], tl.float64)
+    s4_32 = tl.zeros([BLOCK2], tl.float32)
+    s4_64 = tl.zeros([BLOCK2], tl.float64)
     for c in range(0, n, BLOCK2):
         idx = c + tl.arange(0, BLOCK2)
         m = idx < n
@@ -550,9 +626,15 @@ def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
         ss = tl.load(part_f + 2 * total64 + g, mask=m, other=0.0)
         ss32 += ss.to(tl.float32)  # exact: float32-accumulated partials are float32 values
         ss64 += ss
+        s1 = tl.load(part_f + 3 * total64 + g, mask=m, other=0.0)
+        s1_32 += s1.to(tl.float32)
+        s1_64 += s1
+        s4 = tl.load(part_f + 4 * total64 + g, mask=m, other=0.0)
+        s4_32 += s4.to(tl.float32)
+        s4_64 += s4
 
     first = tl.min(vfirst, axis=0)
-    o = out + t * 8
+    o = out + t * 10  # RECORD_SIZE; the offsets below are the fields of nanscan.record.Field
     tl.store(o, tl.sum(s_nan, axis=0).to(tl.float64))
     tl.store(o + 1, tl.sum(s_pinf, axis=0).to(tl.float64))
     tl.store(o + 2, tl.sum(s_ninf, axis=0).to(tl.float64))
@@ -561,3 +643,5 @@ def _stage2_kernel(part_i, part_f, total, out, nchunks, acc64, meta, meta_rows,
     tl.store(o + 5, tl.max(vmax, axis=0))
     tl.store(o + 6, tl.where(a64 != 0, tl.sum(ss64, axis=0), tl.sum(ss32, axis=0).to(tl.float64)))
     tl.store(o + 7, tl.where(first == 9223372036854775807, -1.0, first.to(tl.float64)))
+    tl.store(o + 8, tl.where(a64 != 0, tl.sum(s1_64, axis=0), tl.sum(s1_32, axis=0).to(tl.float64)))
+    tl.store(o + 9, tl.where(a64 != 0, tl.sum(s4_64, axis=0), tl.sum(s4_32, axis=0).to(tl.float64)))

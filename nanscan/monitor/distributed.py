@@ -102,15 +102,16 @@ def agree(local):
 
 
 def all_reduce_records(rows: torch.Tensor, group=None, mesh_dim: Optional[int] = None):
-    """Combine ``[n, 8]`` records of the same n tensors' shards across ranks, in one collective
-    (an all_gather; the combination is local): counts and sums of squares add, finite min / max
-    take the min / max. first_nonfinite_index comes from the lowest rank that has a non-finite
-    element -- the first one in the concatenation of shards in rank order -- and is an index into
-    that rank's shard. Returns ``(combined [n, 8], rank_of_first [n] int64, -1 where none)``; ranks
-    are numbered within the group. ``group``: a process group (default: the whole world) or a
-    ``DeviceMesh`` with ``mesh_dim`` (its process group along that dimension; a 1-D mesh needs
-    none). For the summary of a DTensor's global tensor use ``nanscan.summarize(dt)``, which maps
-    first indices to the global tensor (:mod:`nanscan.sharded`)."""
+    """Combine ``[n, RECORD_SIZE]`` records of the same n tensors' shards across ranks, in one
+    collective (an all_gather; the combination is local): counts and sums (of squares, values,
+    fourth powers) add, finite min / max take the min / max. first_nonfinite_index comes from the
+    lowest rank that has a non-finite element -- the first one in the concatenation of shards in
+    rank order -- and is an index into that rank's shard. Returns ``(combined [n, RECORD_SIZE],
+    rank_of_first [n] int64, -1 where none)``; ranks are numbered within the group. ``group``: a
+    process group (default: the whole world) or a ``DeviceMesh`` with ``mesh_dim`` (its process
+    group along that dimension; a 1-D mesh needs none). For the summary of a DTensor's global
+    tensor use ``nanscan.summarize(dt)``, which maps first indices to the global tensor
+    (:mod:`nanscan.sharded`)."""
     dist = torch.distributed
     if group is not None and hasattr(group, "get_group"):  # a DeviceMesh
         if mesh_dim is None and group.ndim != 1:
@@ -121,7 +122,7 @@ def all_reduce_records(rows: torch.Tensor, group=None, mesh_dim: Optional[int] =
         raise ValueError("nanscan.all_reduce_records: mesh_dim= goes with a DeviceMesh as group=")
     gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, rows.contiguous(), group=group)
-    stacked = torch.stack(gathered)  # [world, n, 8]
+    stacked = torch.stack(gathered)  # [world, n, RECORD_SIZE]
     out = stacked.sum(dim=0)
     out[:, Field.FINITE_MIN] = stacked[:, :, Field.FINITE_MIN].amin(dim=0)
     out[:, Field.FINITE_MAX] = stacked[:, :, Field.FINITE_MAX].amax(dim=0)
