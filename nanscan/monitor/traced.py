@@ -188,17 +188,22 @@ class _Tap(torch.autograd.Function):
 # time to its first step). Replaying a cached graph is sound here: the stamp's arguments are the
 # values, the rows and ``owner`` -- a per-process count, the same in every run of a script, never
 # id() --, and where it writes is looked up at run time (``set_stamp_target``). So nanscan marks
-# ``with_effects`` cacheable through inductor's own knob for it, keyed by torch's and nanscan's
-# versions. (Other effectful ops in the process are then cached too: torch's own effectful ops
-# are the print / profiler kind, whose effect tokens AOT autograd threads the same way.)
+# ``with_effects`` cacheable through inductor's own knob for it, keyed by torch's version and
+# nanscan's build -- its version, the record's size and the hash of the compiled sources: a graph
+# cached by an older build (whose ops wrote another record) is never replayed by a newer one.
+# (Other effectful ops in the process are then cached too: torch's own effectful ops are the print
+# / profiler kind, whose effect tokens AOT autograd threads the same way.)
 def mark_effects_cacheable() -> None:
     try:
         import torch._inductor.config as inductor_config
+        from nanscan import _ops
         from nanscan._version import __version__
 
         marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
         if isinstance(marked, dict):
-            marked.setdefault("torch.ops.higher_order.with_effects", f"{torch.__version__} nanscan {__version__}")
+            build = (_ops.build_info() or {}).get("source_hash", "unknown")
+            marked.setdefault("torch.ops.higher_order.with_effects",
+                              f"{torch.__version__} nanscan {__version__} record {RECORD_SIZE} build {build}")
     except Exception:  # pragma: no cover - a torch without the knob: graphs are compiled anew
         pass
 
