@@ -39,47 +39,8 @@ were chosen from register counts and instruction mixes of the kernels compiled a
 sm_90 (``benchmarks/triton_isa.py``, which also prints programs per SM and waves), not tuned by
 measurement on a GPU.
 
-The launch grid (H200: 132 SMs; numbers for sm_90, triton 3.8, 4-warp programs). Stage 1 has one
-program per chunk, and the chunking -- so the fp32 merge order of the sum of squares -- is a
-function of numel and dtype only (the launcher's ``_iters_for``: [2048, 4096) chunks for tensors of 2048 tiles or
-more, up to _MAX_ITERS tiles per chunk). The hardware keeps 65536 / (32 * regs rounded up to 8) /
-4 programs of a stage-1 kernel resident per SM: 10 at 46-48 registers (fp32, fp64, float8, int32),
-8 at 57-64 (bf16 and fp16 capped at 64, bool 60), 7 at 65-72 and 6 at 73-80 (bf16 / fp16 uncapped:
-71 / 80). A 16M-element tensor is 2048 chunks; for bf16 at 7 programs per SM that is 2048 / 924 = 2.22
-waves whose last one holds 1.5 programs per SM: each program keeps 8 KiB in flight, and by
-Little's law (4.8 TB/s * ~650 ns) ~3 per SM are needed to keep HBM busy, so the last wave runs at
-about half bandwidth (an estimate, not a measurement).
-What was considered:
-
-  - A persistent grid (SMs x occupancy programs, each looping over chunks pid, pid + G, ...) with
-    the same chunks: the makespan is still ceil(2048 / 924) = 3 chunks per program, the same
-    quantization, and the loop costs registers (measured in an earlier attempt: fp32 40 -> 48,
-    fp16 64 -> 72, i.e. 12 -> 10 and 8 -> 7 programs per SM). Folding a program's consecutive
-    chunks into one partial would make the fp32 sum depend on G: not allowed.
-  - Finer chunks (so that the tail is a small fraction of many waves): every chunk pays a fixed
-    ~240 instructions per thread outside the loops (setup, the cross-lane reductions, eight
-    stores) against 237 per tile in the bf16 fast loop, so at 16M bf16, 4096 one-tile chunks
-    issue 4096 * 4 warps * (237 + 240) = 7.8M warp instructions, 7.5 us at H200's ~1.05e12 per
-    second -- more than the 7.0 us the 32 MiB take at 4.8 TB/s (2048 chunks: 5.9M, 5.6 us). The
-    tail would shrink (4.4 waves, the last at 3 programs per SM) but stage 1 would turn
-    issue-bound, and stage 2 would read twice the partials. Not an improvement on paper.
-  - Chunk counts that fill whole waves on the GPU at hand: the chunking would depend on the
-    device. Not allowed.
-
-  Chosen: the grid stays one program per chunk, the chunking unchanged (2048 partials at 16M;
-  stage 2 still reads <= 4096 partials per tensor, 8 loads per 256), and the occupancy that sets
-  the wave count goes up where it was lost: fp16 / bf16 stage-1 kernels are compiled with
-  ``maxnreg=64`` (_MAXNREG), so bf16 takes 64 registers and keeps 8 programs per SM: 16M bf16 is
-  1.94 waves with 7.5 programs per SM in the last one instead of 2.22 waves with 1.5 (fp16: 6 ->
-  8). The cost: a few 32-bit spills outside the fast loop (bf16: two STL / LDL per chunk; fp16: three,
-  two of them in the rescan's loop, which only a chunk with a NaN / Inf runs) and two more
-  instructions in the fast loop (333). The six block reductions at the end of a chunk are one
-  ``tl.reduce`` of six operands (one round trip through shared memory, where six separate reductions
-  take six; the sums' order is a function of BLOCK and _NUM_WARPS only). Other dtypes are not
-  capped: fp32 / fp64 / float8 at 46 registers keep 10 programs per SM (capped at 40 they would keep
-  12 but spill three words per tile inside the fast loop); fp32 16M is 1.55 waves, the last at 5.5
-  programs per SM, enough to keep HBM busy. To be confirmed on a GPU: the compiled kernels' n_regs on
-  triton 3.6, and that bf16 16M is faster, not slower, capped.
+The launch grid -- one program per chunk, occupancy, waves, what else was considered and why
+fp16 / bf16 are capped at 64 registers -- is explained in csrc/README.md ("The Triton launch grid").
 """
 
 import os
