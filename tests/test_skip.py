@@ -245,3 +245,15 @@ def test_a_bf16_loop_survives_a_nonfinite_step_with_its_bundle(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     bundle = nanscan.load_bundle(mon.bundle_path)
     assert bundle.manifest["incident"]["step"] == 3
+
+
+def test_an_incident_with_no_update_pending_is_warned_not_skipped():
+    # With no optimizer step to cancel (the loop never called it), "skip" cannot skip: the incident
+    # is warned about and recorded; nothing is claimed skipped.
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = nanscan.watch(model, opt, on_nonfinite="skip")
+    model(_batch(0, bad=True)).pow(2).mean().backward()
+    with pytest.warns(RuntimeWarning, match="non-finite output of module '0'"):
+        mon.close()
+    assert mon.ledger.skipped_steps == [] and mon.skipper.steps == [] and mon.incident.step == 0

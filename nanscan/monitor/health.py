@@ -41,7 +41,7 @@ from nanscan.allow import name_allowed
 from nanscan.monitor import distributed
 from nanscan.monitor.headroom import max_of
 from nanscan.monitor.health_ranks import RankPlan, combine
-from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows, GradBlock
+from nanscan.monitor.slots import Block, EagerRows, GradBlock
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.telemetry.scalars import PREFIX, scalar_name
 from nanscan.warn import warn
@@ -151,12 +151,10 @@ class Health:
                 i += 1
 
     def _eager_row(self, rows: EagerRows, i: int, v, bad: bool) -> None:
-        kind, info, label, step, phase, dtype, shape, _, candidate, _, _, stale = rows.rows.row(i)[:12]
-        if (kind != OUTPUT and kind != BODY) or stale:  # (stale: its record is of a later value)
-            return
-        module = rows.infos[info]
-        self._row("activation", phase, candidate, None, module.name + label if kind == OUTPUT else module.name,
-                  dtype, math.prod(shape), step, v, bad)
+        row = rows.module_output(i)
+        if row is not None:
+            step, phase, candidate, name, dtype, numel = row
+            self._row("activation", phase, candidate, None, name, dtype, numel, step, v, bad)
 
     def _row(self, kind, phase, candidate, param, name, dtype, numel, step, v, bad: bool) -> None:
         # (Runs for every row of a telemetry step: ~1,000 rows for a 200-layer model, so it is kept

@@ -27,6 +27,8 @@ record is never stale and no tensor is kept alive for a batch.
 """
 from __future__ import annotations
 
+import math
+
 from nanscan import _ops
 
 BATCH = 64
@@ -160,6 +162,17 @@ class EagerRows(Block):
         if self._loss_entries is None:
             self._loss_entries = frozenset(self.rows.loss_entries())
         return self._loss_entries
+
+    def module_output(self, index: int):
+        """``(step, phase, candidate, name, dtype, numel)`` of row ``index`` when it is a module's
+        output or a value made in a module's body, None otherwise or when the row is stale (its
+        record is of a later value). Read straight from the C++ row: no Slot is made (telemetry
+        and the spike baselines ask this of every row of a step)."""
+        kind, info, label, step, phase, dtype, shape, _, candidate, _, _, stale = self.rows.row(index)[:12]
+        if (kind != OUTPUT and kind != BODY) or stale:
+            return None
+        module = self.infos[info]
+        return step, phase, candidate, module.name + label if kind == OUTPUT else module.name, dtype, math.prod(shape)
 
     @property
     def steps(self) -> tuple:

@@ -34,7 +34,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows
+from nanscan.monitor.slots import Block, EagerRows
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.warn import warn
 
@@ -226,10 +226,9 @@ def _module_outputs(read):
         s = slots[i]
         t = type(s)
         if t is EagerRows:
-            kind, info, label, step, phase, dtype, shape, _, candidate, _, _, stale = s.rows.row(i)[:12]
-            if (kind == OUTPUT or kind == BODY) and phase == "forward" and candidate and not stale:
-                module = s.infos[info]
-                yield step, module.name + label if kind == OUTPUT else module.name, math.prod(shape), host[i]
+            row = s.module_output(i)
+            if row is not None and row[1] == "forward" and row[2]:
+                yield row[0], row[3], row[5], host[i]
             i += 1
         elif isinstance(s, Block):
             i = max(s.start + (len(s.meta) if hasattr(s, "meta") else len(s.names)), i + 1)
