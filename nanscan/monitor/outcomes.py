@@ -116,8 +116,9 @@ class Outcomes:
             attach_note(error, f"nanscan wrote the failure bundle: {bundle_path}")
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
-        if policy == "skip":
-            attach_note(error, limit_note(self.skipper))
+        note = limit_note(self.skipper) if policy == "skip" else None
+        if note is not None:
+            attach_note(error, note)
         raise error
 
     def _check_headroom(self, read: Read) -> None:
