@@ -87,15 +87,30 @@ def want_cuda():
 
 
 def cpu_flags():
+    """Compiler flags of the CPU kernels: the widest x86 vector ISA the build machine has.
+
+    An extension compiles once, for the machine it is built on (ATen compiles its own kernels once per
+    capability and picks at run time), so the build takes what this machine's /proc/cpuinfo lists:
+    AVX-512 (F, BW, VL, DQ: what ATen's AVX512 kernels need), else AVX2 + FMA + F16C, else at::vec's
+    portable code. The library is then for machines with that ISA -- as torch's own AVX512 kernels run
+    where torch finds it. NANSCAN_CPU_AVX512=0 stops at AVX2; NANSCAN_CPU_AVX2=0 uses neither.
+    Wider lanes change how the FP32 sums are split across lanes, so their last bits may differ between
+    an AVX2 and an AVX-512 build (never between runs or thread counts of one build).
+    """
     flags = ["-O3", "-fopenmp", "-Wno-unknown-pragmas"]  # the C++ standard is left to torch (C++20 for torch >= 2.12)
     if platform.machine() in ("x86_64", "AMD64") and os.environ.get("NANSCAN_CPU_AVX2", "1") != "0":
         try:
-            has_avx2 = "avx2" in open("/proc/cpuinfo").read()
+            with open("/proc/cpuinfo") as f:
+                cpu_features = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
         except OSError:
-            has_avx2 = False
-        if has_avx2:
-            # at::vec picks its 256-bit implementation from this macro (ATen compiles its own kernels
-            # once per capability; an extension compiles once, for the build machine).
+            cpu_features = []
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}
+        if avx512 <= set(cpu_features) and os.environ.get("NANSCAN_CPU_AVX512", "1") != "0":
+            # at::vec picks its 512-bit implementation from this macro.
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c",
+                      "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"]
+        elif {"avx2", "fma", "f16c"} <= set(cpu_features):
+            # at::vec picks its 256-bit implementation from this macro.
             flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
 

@@ -178,11 +178,25 @@ struct LogicalOf {
   }
 };
 
+// The build's vector ISA, as at::vec was compiled for it (setup.py picks the widest the build machine
+// has: AVX-512 (F, BW, VL, DQ), else AVX2 + FMA + F16C, else at::vec's portable code).
+#if defined(CPU_CAPABILITY_AVX512)
+#define NANSCAN_X86_VEC 512
+#elif defined(CPU_CAPABILITY_AVX2)
+#define NANSCAN_X86_VEC 256
+#endif
+
 // A comparison mask (all-one bits in true lanes) reinterpreted as integers, i.e. -1 where true.
-// at::vec's generic cast goes through memory; on AVX2 this is a free register bitcast.
+// at::vec's generic cast goes through memory; on x86 this is a free register bitcast.
 template <typename acc_t>
 inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at::vec::Vectorized<acc_t>& m) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if NANSCAN_X86_VEC == 512
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return _mm512_castps_si512(m);
+  } else {
+    return _mm512_castpd_si512(m);
+  }
+#elif NANSCAN_X86_VEC == 256
   if constexpr (std::is_same_v<acc_t, float>) {
     return _mm256_castps_si256(m);
   } else {
@@ -253,9 +267,9 @@ struct VecState {
       sum = sum + states[k].blocks_sum;
       sum4 = sum4 + states[k].blocks_sum4;
     }
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
     if constexpr (std::is_same_v<acc_t, float>) {
-      // Three shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
+      // Three (AVX2) or four (AVX-512) shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
       // (or NaN): their total is finite iff every lane is and the total did not overflow.
       const float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sumsq);
       if (!std::isfinite(total)) return false;
@@ -298,7 +312,20 @@ struct ZeroCount {
   using IVec = at::vec::Vectorized<at::vec::int_same_size_t<acc_t>>;
   IVec neg_zeros = IVec(0);
 
-  inline void add(const Vec& v) { neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0))); }
+  inline void add(const Vec& v) {
+#if NANSCAN_X86_VEC == 512
+    // AVX-512 compares into a mask register: one masked subtract, not a mask widened to a vector and added.
+    if constexpr (std::is_same_v<acc_t, float>) {
+      neg_zeros = _mm512_mask_sub_epi32(neg_zeros, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                        neg_zeros, _mm512_set1_epi32(1));
+    } else {
+      neg_zeros = _mm512_mask_sub_epi64(neg_zeros, _mm512_cmp_pd_mask(v, _mm512_setzero_pd(), _CMP_EQ_OQ),
+                                        neg_zeros, _mm512_set1_epi64(1));
+    }
+#else
+    neg_zeros = neg_zeros + mask_as_int(v == Vec(acc_t(0)));
+#endif
+  }
 
   inline void write(Partial<acc_t>& p) const {
     at::vec::int_same_size_t<acc_t> lanes[IVec::size()];
@@ -307,14 +334,59 @@ struct ZeroCount {
   }
 };
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
+// The raw 16-bit lanes of one vector register, at the build's width: the few integer operations
+// Raw16 needs, in one place for both widths.
+namespace raw {
+#if NANSCAN_X86_VEC == 512
+using Vec = __m512i;
+inline Vec load(const void* p) { return _mm512_loadu_si512(p); }
+inline void store(void* p, Vec v) { _mm512_storeu_si512(p, v); }
+inline Vec zero() { return _mm512_setzero_si512(); }
+inline Vec set1_16(int16_t x) { return _mm512_set1_epi16(x); }
+// Subtracts 1 from each 16-bit lane of `count` where v's bits but the sign are zero (+-0 in fp16
+// and bf16): a test into a mask register, then one masked subtract.
+inline Vec count_zeros(Vec count, Vec v) {
+  return _mm512_mask_sub_epi16(count, _mm512_testn_epi16_mask(v, set1_16(0x7FFF)), count, set1_16(1));
+}
+inline Vec max_i16(Vec a, Vec b) { return _mm512_max_epi16(a, b); }
+inline Vec min_u16(Vec a, Vec b) { return _mm512_min_epu16(a, b); }
+inline Vec max_u16(Vec a, Vec b) { return _mm512_max_epu16(a, b); }
+inline Vec widen_add_32(Vec acc, Vec v16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(v16, set1_16(1))); }
+// bf16 -> fp32 is "bits << 16": interleaving with zeros widens a register in two instructions. The
+// lanes come out permuted, which no field depends on.
+inline __m512 bf16_lo(Vec v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero(), v)); }
+inline __m512 bf16_hi(Vec v) { return _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero(), v)); }
+inline __m512 fp16_lo(Vec v) { return _mm512_cvtph_ps(_mm512_castsi512_si256(v)); }
+inline __m512 fp16_hi(Vec v) { return _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)); }
+#else
+using Vec = __m256i;
+inline Vec load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store(void* p, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+inline Vec zero() { return _mm256_setzero_si256(); }
+inline Vec set1_16(int16_t x) { return _mm256_set1_epi16(x); }
+inline Vec count_zeros(Vec count, Vec v) {  // (bits << 1) == 0 is -1, added
+  return _mm256_add_epi16(count, _mm256_cmpeq_epi16(_mm256_add_epi16(v, v), zero()));
+}
+inline Vec max_i16(Vec a, Vec b) { return _mm256_max_epi16(a, b); }
+inline Vec min_u16(Vec a, Vec b) { return _mm256_min_epu16(a, b); }
+inline Vec max_u16(Vec a, Vec b) { return _mm256_max_epu16(a, b); }
+inline Vec widen_add_32(Vec acc, Vec v16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(v16, set1_16(1))); }
+inline __m256 bf16_lo(Vec v) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero(), v)); }
+inline __m256 bf16_hi(Vec v) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero(), v)); }
+inline __m256 fp16_lo(Vec v) { return _mm256_cvtph_ps(_mm256_castsi256_si128(v)); }
+inline __m256 fp16_hi(Vec v) { return _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)); }
+#endif
+constexpr int kLanes16 = sizeof(Vec) / 2;
+}  // namespace raw
+
 // The zero count, min and max of fp16 / bf16 vectors, taken on their raw 16-bit lanes before they are
-// widened, one set for all the accumulator sets: six integer instructions per 16 elements where the
-// widened floats take eight (two compares, two adds, two min, two max), and a set of registers per
-// accumulator set that AVX2's 16 do not have (a set that does not fit is spilled to the stack inside
-// the loop, its chains waiting on store-to-load forwarding).
-//   zeros: (bits << 1) == 0 is +-0 in both formats; a 16-bit lane counts at most one element per
-//     vector, so it is folded into 32 bits every block (<= 256 vectors).
+// widened, one set for all the accumulator sets: six integer instructions per register of 16-bit
+// lanes where the widened floats take eight (two compares, two adds, two min, two max), and a set of
+// registers per accumulator set that AVX2's 16 do not have (a set that does not fit is spilled to the
+// stack inside the loop, its chains waiting on store-to-load forwarding).
+//   zeros: (bits << 1) == 0 is +-0 in both formats; each zero subtracts 1 from its 16-bit lane, which
+//     counts at most one element per vector, so it is folded into 32 bits every block (<= 256 vectors).
 //   min / max: both formats are sign-magnitude, so as signed 16-bit integers the non-negative values
 //     order as their floats (and above every negative one), and as unsigned integers the negative
 //     values order by magnitude (above every non-negative one). The largest float is the signed
@@ -322,35 +394,36 @@ struct ZeroCount {
 //     unsigned maximum when it is negative, else (none negative) the unsigned minimum. Exact; a NaN
 //     or Inf lane does not matter (such a chunk is rescanned).
 struct Raw16 {
-  __m256i zeros16 = _mm256_setzero_si256(), zeros32 = _mm256_setzero_si256();
-  __m256i smax = _mm256_set1_epi16(INT16_MIN), umin = _mm256_set1_epi16(-1), umax = _mm256_setzero_si256();
+  raw::Vec neg_zeros16 = raw::zero(), neg_zeros32 = raw::zero();
+  raw::Vec smax = raw::set1_16(INT16_MIN), umin = raw::set1_16(-1), umax = raw::zero();
 
-  inline void add(__m256i raw) {
-    zeros16 = _mm256_sub_epi16(zeros16, _mm256_cmpeq_epi16(_mm256_add_epi16(raw, raw), _mm256_setzero_si256()));
-    smax = _mm256_max_epi16(smax, raw);
-    umin = _mm256_min_epu16(umin, raw);
-    umax = _mm256_max_epu16(umax, raw);
+  inline void add(raw::Vec v) {
+    neg_zeros16 = raw::count_zeros(neg_zeros16, v);
+    smax = raw::max_i16(smax, v);
+    umin = raw::min_u16(umin, v);
+    umax = raw::max_u16(umax, v);
   }
 
   inline void end_block() {
-    zeros32 = _mm256_add_epi32(zeros32, _mm256_madd_epi16(zeros16, _mm256_set1_epi16(1)));
-    zeros16 = _mm256_setzero_si256();
+    neg_zeros32 = raw::widen_add_32(neg_zeros32, neg_zeros16);
+    neg_zeros16 = raw::zero();
   }
 
   // Adds the zero count, min and max to p.
   template <typename scalar_t>
   void write(Partial<float>& p) {
     end_block();
-    int32_t z[8];
-    int16_t sm[16];
-    uint16_t un[16], ux[16];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(z), zeros32);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sm), smax);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(un), umin);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(ux), umax);
-    for (int i = 0; i < 8; ++i) p.zero += z[i];
-    const int16_t hs = *std::max_element(sm, sm + 16);
-    const uint16_t hn = *std::min_element(un, un + 16), hx = *std::max_element(ux, ux + 16);
+    int32_t z[raw::kLanes16 / 2];
+    int16_t sm[raw::kLanes16];
+    uint16_t un[raw::kLanes16], ux[raw::kLanes16];
+    raw::store(z, neg_zeros32);
+    raw::store(sm, smax);
+    raw::store(un, umin);
+    raw::store(ux, umax);
+    for (int32_t lane : z) p.zero -= lane;
+    const int16_t hs = *std::max_element(std::begin(sm), std::end(sm));
+    const uint16_t hn = *std::min_element(std::begin(un), std::end(un));
+    const uint16_t hx = *std::max_element(std::begin(ux), std::end(ux));
     const auto as_float = [](uint16_t bits) {
       return static_cast<double>(static_cast<float>(scalar_t(bits, scalar_t::from_bits())));
     };
@@ -376,24 +449,22 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     constexpr int64_t kStep = kUnroll * In::size();
     VecState<acc_t> states[kUnroll];
     ZeroCount<acc_t> zeros;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
     constexpr bool kRaw16 = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
     struct None {};
     std::conditional_t<kRaw16, Raw16, None> raw16;  // fp16 / bf16: zero count, min and max (zeros unused)
 #endif
     auto add = [&](VecState<acc_t>& state, const scalar_t* src) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
       if constexpr (kRaw16) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        raw16.add(raw);
+        const raw::Vec v = raw::load(src);
+        raw16.add(v);
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-          // bf16 -> fp32 is "bits << 16": interleaving with zeros widens 16 lanes in two
-          // instructions. The lanes come out permuted, which no field depends on.
-          state.add_sums(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), raw)));
-          state.add_sums(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), raw)));
+          state.add_sums(raw::bf16_lo(v));
+          state.add_sums(raw::bf16_hi(v));
         } else {
-          state.add_sums(_mm256_cvtph_ps(_mm256_castsi256_si128(raw)));
-          state.add_sums(_mm256_cvtph_ps(_mm256_extracti128_si256(raw, 1)));
+          state.add_sums(raw::fp16_lo(v));
+          state.add_sums(raw::fp16_hi(v));
         }
         return;
       }
@@ -422,7 +493,7 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
         for (int64_t u = 0; u < kUnroll; ++u) add(states[u], data + i + u * In::size());
       }
       for (auto& state : states) state.end_block();
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
       if constexpr (kRaw16) raw16.end_block();
 #endif
     }
@@ -433,7 +504,7 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     if (vec_end > begin) {  // (a tensor shorter than one vector has no vector part to reduce)
       Partial<acc_t> vec_part;
       if (VecState<acc_t>::flush(states, vec_part)) {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(NANSCAN_X86_VEC)
         if constexpr (kRaw16) {
           raw16.template write<scalar_t>(vec_part);
         } else {
