@@ -210,10 +210,10 @@ inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at
 // Vectorized fast path, written for the common case of a chunk with no NaN, no Inf and no
 // overflowing square: min / max / the three sums (VecState) and the zero count (ZeroCount; fp16 /
 // bf16: Raw16) run over raw lanes with no masking, eight instructions per vector of lanes (min, max,
-// FMA for the square, multiply + FMA for the fourth power, add for the sum, compare + integer
-// subtract for the zero count). A NaN or ±Inf input
-// makes its lane's sum of squares NaN or +inf, so "every lane's sumsq is finite" proves the chunk
-// clean; otherwise (a non-finite input, or finite squares that overflowed FP32) the chunk is
+// multiply + add for the square and its sum, FMA for the fourth power, add for the sum, compare +
+// integer subtract for the zero count; AVX-512: a compare into a mask register + a masked
+// subtract). A NaN or ±Inf input makes its lane's sum of squares NaN or +inf, so "every lane's
+// sumsq is finite" proves the chunk clean; otherwise (a non-finite input, or finite squares that overflowed FP32) the chunk is
 // rescanned by the scalar path, which classifies every element. Those are the rare cases; at worst
 // (all NaN) a chunk is read twice. A fourth power that overflows while the squares do not (FP32,
 // |x| ~ 4.3e9 -- 1.8e19) leaves sum4 +inf in a clean chunk: what the scalar path gives too. The sum
@@ -236,8 +236,10 @@ struct VecState {
 
   // The three sums only (fp16 / bf16 take the rest from their raw lanes: Raw16).
   inline void add_sums(const Vec& v) {
-    sumsq = at::vec::fmadd(v, v, sumsq);
-    const Vec x2 = v * v;  // the square rounded to acc_t, as the scalar path's: x**4 = x2 * x2
+    // The square rounded to acc_t and added, as the scalar path does (not an FMA: the same rounding
+    // on every path, and the add runs beside the multiplies; for fp16 / bf16 the square is exact).
+    const Vec x2 = v * v;
+    sumsq = sumsq + x2;
     sum4 = at::vec::fmadd(x2, x2, sum4);
     sum = sum + v;
   }
@@ -344,15 +346,17 @@ inline Vec load(const void* p) { return _mm512_loadu_si512(p); }
 inline void store(void* p, Vec v) { _mm512_storeu_si512(p, v); }
 inline Vec zero() { return _mm512_setzero_si512(); }
 inline Vec set1_16(int16_t x) { return _mm512_set1_epi16(x); }
-// Subtracts 1 from each 16-bit lane of `count` where v's bits but the sign are zero (+-0 in fp16
-// and bf16): a test into a mask register, then one masked subtract.
-inline Vec count_zeros(Vec count, Vec v) {
-  return _mm512_mask_sub_epi16(count, _mm512_testn_epi16_mask(v, set1_16(0x7FFF)), count, set1_16(1));
-}
 inline Vec max_i16(Vec a, Vec b) { return _mm512_max_epi16(a, b); }
 inline Vec min_u16(Vec a, Vec b) { return _mm512_min_epu16(a, b); }
 inline Vec max_u16(Vec a, Vec b) { return _mm512_max_epu16(a, b); }
-inline Vec widen_add_32(Vec acc, Vec v16) { return _mm512_add_epi32(acc, _mm512_madd_epi16(v16, set1_16(1))); }
+// The number of 16-bit lanes of v whose bits but the sign are zero (+-0 in fp16 and bf16): a test
+// into a mask register and a popcount on the scalar side, off the vector pipes the sums need.
+struct ZeroCount16 {
+  int64_t zeros = 0;
+  inline void add(Vec v) { zeros += __builtin_popcount(_cvtmask32_u32(_mm512_testn_epi16_mask(v, set1_16(0x7FFF)))); }
+  inline void end_block() {}
+  inline int64_t total() const { return zeros; }
+};
 // bf16 -> fp32 is "bits << 16": interleaving with zeros widens a register in two instructions. The
 // lanes come out permuted, which no field depends on.
 inline __m512 bf16_lo(Vec v) { return _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero(), v)); }
@@ -365,13 +369,26 @@ inline Vec load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<cons
 inline void store(void* p, Vec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline Vec zero() { return _mm256_setzero_si256(); }
 inline Vec set1_16(int16_t x) { return _mm256_set1_epi16(x); }
-inline Vec count_zeros(Vec count, Vec v) {  // (bits << 1) == 0 is -1, added
-  return _mm256_add_epi16(count, _mm256_cmpeq_epi16(_mm256_add_epi16(v, v), zero()));
-}
 inline Vec max_i16(Vec a, Vec b) { return _mm256_max_epi16(a, b); }
 inline Vec min_u16(Vec a, Vec b) { return _mm256_min_epu16(a, b); }
 inline Vec max_u16(Vec a, Vec b) { return _mm256_max_epu16(a, b); }
-inline Vec widen_add_32(Vec acc, Vec v16) { return _mm256_add_epi32(acc, _mm256_madd_epi16(v16, set1_16(1))); }
+// The same on AVX2 (no mask registers): (bits << 1) == 0 is -1 in a zero's lane, added to a 16-bit
+// counter that takes at most one per vector and is folded into 32 bits every block (<= 256 vectors).
+struct ZeroCount16 {
+  Vec neg16 = zero(), neg32 = zero();
+  inline void add(Vec v) { neg16 = _mm256_add_epi16(neg16, _mm256_cmpeq_epi16(_mm256_add_epi16(v, v), zero())); }
+  inline void end_block() {
+    neg32 = _mm256_add_epi32(neg32, _mm256_madd_epi16(neg16, set1_16(1)));
+    neg16 = zero();
+  }
+  inline int64_t total() const {
+    int32_t lanes[8];
+    store(lanes, neg32);
+    int64_t zeros = 0;
+    for (int32_t lane : lanes) zeros -= lane;
+    return zeros;
+  }
+};
 inline __m256 bf16_lo(Vec v) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero(), v)); }
 inline __m256 bf16_hi(Vec v) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero(), v)); }
 inline __m256 fp16_lo(Vec v) { return _mm256_cvtph_ps(_mm256_castsi256_si128(v)); }
@@ -381,12 +398,11 @@ constexpr int kLanes16 = sizeof(Vec) / 2;
 }  // namespace raw
 
 // The zero count, min and max of fp16 / bf16 vectors, taken on their raw 16-bit lanes before they are
-// widened, one set for all the accumulator sets: six integer instructions per register of 16-bit
-// lanes where the widened floats take eight (two compares, two adds, two min, two max), and a set of
-// registers per accumulator set that AVX2's 16 do not have (a set that does not fit is spilled to the
-// stack inside the loop, its chains waiting on store-to-load forwarding).
-//   zeros: (bits << 1) == 0 is +-0 in both formats; each zero subtracts 1 from its 16-bit lane, which
-//     counts at most one element per vector, so it is folded into 32 bits every block (<= 256 vectors).
+// widened, one set for all the accumulator sets: five (AVX2: six) integer instructions per register
+// of 16-bit lanes where the widened floats take eight (two compares, two adds, two min, two max), and
+// a set of registers per accumulator set that AVX2's 16 do not have (a set that does not fit is
+// spilled to the stack inside the loop, its chains waiting on store-to-load forwarding).
+//   zeros: raw::ZeroCount16.
 //   min / max: both formats are sign-magnitude, so as signed 16-bit integers the non-negative values
 //     order as their floats (and above every negative one), and as unsigned integers the negative
 //     values order by magnitude (above every non-negative one). The largest float is the signed
@@ -394,33 +410,28 @@ constexpr int kLanes16 = sizeof(Vec) / 2;
 //     unsigned maximum when it is negative, else (none negative) the unsigned minimum. Exact; a NaN
 //     or Inf lane does not matter (such a chunk is rescanned).
 struct Raw16 {
-  raw::Vec neg_zeros16 = raw::zero(), neg_zeros32 = raw::zero();
+  raw::ZeroCount16 zeros;
   raw::Vec smax = raw::set1_16(INT16_MIN), umin = raw::set1_16(-1), umax = raw::zero();
 
   inline void add(raw::Vec v) {
-    neg_zeros16 = raw::count_zeros(neg_zeros16, v);
+    zeros.add(v);
     smax = raw::max_i16(smax, v);
     umin = raw::min_u16(umin, v);
     umax = raw::max_u16(umax, v);
   }
 
-  inline void end_block() {
-    neg_zeros32 = raw::widen_add_32(neg_zeros32, neg_zeros16);
-    neg_zeros16 = raw::zero();
-  }
+  inline void end_block() { zeros.end_block(); }
 
   // Adds the zero count, min and max to p.
   template <typename scalar_t>
   void write(Partial<float>& p) {
     end_block();
-    int32_t z[raw::kLanes16 / 2];
+    p.zero += zeros.total();
     int16_t sm[raw::kLanes16];
     uint16_t un[raw::kLanes16], ux[raw::kLanes16];
-    raw::store(z, neg_zeros32);
     raw::store(sm, smax);
     raw::store(un, umin);
     raw::store(ux, umax);
-    for (int32_t lane : z) p.zero -= lane;
     const int16_t hs = *std::max_element(std::begin(sm), std::end(sm));
     const uint16_t hn = *std::min_element(std::begin(un), std::end(un));
     const uint16_t hx = *std::max_element(std::begin(ux), std::end(ux));
@@ -444,7 +455,8 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
     // chains behind eight instructions per vector, and few enough registers for AVX2's 16 -- 2 x 5
     // accumulators and one zero counter (2 x 3 sums and one Raw16 set for fp16 / bf16), the loaded
     // vector and temporaries; a set that does not fit is spilled to the stack inside the loop, which
-    // costs more than the latency the extra set would hide (four sets did).
+    // costs more than the latency the extra set would hide (four sets did). (AVX-512's 32
+    // registers hold four sets, but they measured no faster: the loop is throughput-bound.)
     constexpr int64_t kUnroll = 2;
     constexpr int64_t kStep = kUnroll * In::size();
     VecState<acc_t> states[kUnroll];
