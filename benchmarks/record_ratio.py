@@ -8,6 +8,9 @@ this script alternates the two in one process -- record, sum, sum, record, ... (
 every pair, so neither always runs on the caches the other warmed) -- takes the ratio of each pair and
 reports the median over the pairs, for fp32 and bf16 on 1 and 2 threads. `--runs` repeats the whole
 measurement and prints every run's median, so the spread between runs is visible too.
+
+For scale, `torch.linalg.vector_norm` (one statistic where the record has ten) is measured against
+`torch.sum` the same way: torch's own one-statistic reductions are not all at the read floor either.
 """
 import argparse
 import statistics
@@ -18,25 +21,37 @@ import torch
 import nanscan
 
 
-def pair_ratios(x: torch.Tensor, pairs: int) -> list[float]:
+SUBJECTS = {
+    "record": lambda x: nanscan.record(x, backend="cpu"),
+    "vector_norm": torch.linalg.vector_norm,
+}
+
+
+def pair_ratios(subject, x: torch.Tensor, pairs: int) -> list[float]:
+    """subject(x) / x.sum() time ratios of `pairs` alternated pairs."""
     def timed(fn) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
 
-    record = lambda: nanscan.record(x, backend="cpu")  # noqa: E731
+    measured = lambda: subject(x)  # noqa: E731
     floor = lambda: x.sum()  # noqa: E731
     for _ in range(3):  # warm-up: page faults, the thread pool, the op's first dispatch
-        record()
+        measured()
         floor()
     ratios = []
     for k in range(pairs):
         if k % 2:
-            t_floor, t_record = timed(floor), timed(record)
+            t_floor, t_measured = timed(floor), timed(measured)
         else:
-            t_record, t_floor = timed(record), timed(floor)
-        ratios.append(t_record / t_floor)
+            t_measured, t_floor = timed(measured), timed(floor)
+        ratios.append(t_measured / t_floor)
     return ratios
+
+
+def _isa() -> str:
+    flags = (nanscan.build_info() or {}).get("cpu_flags", [])
+    return next((f.split("=", 1)[1] for f in flags if f.startswith("-DCPU_CAPABILITY=")), "portable (no AVX)")
 
 
 def main(argv=None) -> None:
@@ -46,23 +61,30 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--subjects", default="record,vector_norm", help=f"of {sorted(SUBJECTS)}")
     args = parser.parse_args(argv)
     if "cpu" not in nanscan.available_backends():
         raise SystemExit("the C++ CPU backend is not built (pip install -e . builds it)")
     gen = torch.Generator().manual_seed(0)
     base = torch.randn(args.numel, generator=gen)
-    print(f"record / torch.sum, {args.numel:,} elements, median of {args.pairs} alternated pairs per run, "
-          f"{torch.backends.cpu.get_cpu_capability()} torch")
-    print("| dtype | threads | " + " | ".join(f"run {r + 1}" for r in range(args.runs)) + " |")
-    print("|---|---|" + "---|" * args.runs)
+    subjects = args.subjects.split(",")
+    unknown = sorted(set(subjects) - set(SUBJECTS))
+    if unknown:
+        parser.error(f"unknown --subjects {unknown}; known: {sorted(SUBJECTS)}")
+    print(f"time / torch.sum's, {args.numel:,} elements, median of {args.pairs} alternated pairs per run, "
+          f"torch's CPU kernels {torch.backends.cpu.get_cpu_capability()}, nanscan's {_isa()}")
+    print("| subject | dtype | threads | " + " | ".join(f"run {r + 1}" for r in range(args.runs)) + " |")
+    print("|---|---|---|" + "---|" * args.runs)
     saved_threads = torch.get_num_threads()
     try:
         for dtype in args.dtypes.split(","):
             x = base.to(getattr(torch, dtype)).contiguous()
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                medians = [statistics.median(pair_ratios(x, args.pairs)) for _ in range(args.runs)]
-                print(f"| {dtype} | {threads} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+                for subject in subjects:
+                    medians = [statistics.median(pair_ratios(SUBJECTS[subject], x, args.pairs))
+                               for _ in range(args.runs)]
+                    print(f"| {subject} | {dtype} | {threads} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
     finally:
         torch.set_num_threads(saved_threads)
 

@@ -96,3 +96,26 @@ def test_gpu_check_plan_fits_one_device_command(part):
     assert total < deadline <= 560
     bad = subprocess.run(["bash", script, "--part", "3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--part must be 1 or 2" in bad.stderr
+
+
+@pytest.mark.skipif("cpu" not in __import__("nanscan").available_backends(), reason="the C++ CPU backend is not built")
+def test_record_ratio_prints_one_row_of_run_medians_per_subject_dtype_and_thread_count(capsys):
+    from benchmarks import record_ratio
+
+    record_ratio.main(["--numel", "4096", "--pairs", "3", "--runs", "2", "--threads", "1,2"])
+    table = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| ") and "---" not in line][1:]
+    assert [(r[0].strip("| "), r[1], r[2]) for r in table] == [
+        (subject, dtype, threads) for dtype in ("float32", "bfloat16") for threads in ("1", "2")
+        for subject in ("record", "vector_norm")]
+    for row in table:
+        medians = [float(cell.strip(" |")) for cell in row[3:]]
+        assert len(medians) == 2 and all(m > 0 for m in medians)
+
+
+def test_record_ratio_refuses_an_unknown_subject_by_name(capsys):
+    from benchmarks import record_ratio
+
+    with pytest.raises(SystemExit):
+        record_ratio.main(["--subjects", "record,median"])
+    assert "unknown --subjects ['median']" in capsys.readouterr().err
