@@ -276,7 +276,8 @@ def test_fp32_sumsq_of_strided_views_is_as_accurate_as_contiguous(layout):
 
 def _blocked_fp32_sum(squares: torch.Tensor) -> float:
     """The FP32 sum the kernels' blocking implies, done here one rounding at a time: sequential sums
-    of 256 squares, then of a 64K chunk's 256 block sums, then of the chunks' sums."""
+    of 256 squares, then of 256 such block sums, then of those sums (the kernels' own tree differs
+    in its shape -- lanes, chunks -- not in the size of any sequential sum)."""
     acc = torch.zeros(squares.numel() // 256)
     for column in squares.view(-1, 256).unbind(1):
         acc += column  # one FP32 rounding per element, like one lane of a kernel
@@ -321,10 +322,10 @@ def test_sumsq_is_as_accurate_on_every_layout(backend, device, dtype):
             assert abs(got - want) / want <= bound, (name, how, abs(got - want) / want, bound)
 
 
-def test_cpu_sums_of_chunk_sums_are_blocked_too():
-    """A tensor of more than 256 chunks (16M elements) adds its chunks' FP32 sums in blocks of 256
-    as well. One big square, then one 1.0 per 64K chunk: a sequential FP32 sum drops every 1.0
-    (2**24 + 1 rounds back to 2**24); in blocks, the second block's 256 ones survive."""
+def test_cpu_sums_of_many_small_sums_are_blocked_too():
+    """One big square, then one 1.0 every 64K elements (512 of them): a sequential FP32 sum drops
+    every 1.0 (2**24 + 1 rounds back to 2**24); blocked -- per lane, per run of a chunk's parts, per
+    256 chunks -- the ones after the first block survive."""
     chunk, n_chunks = 65536, 512
     x = torch.zeros(n_chunks * chunk, dtype=torch.bfloat16)
     x[::chunk] = 1.0
@@ -334,6 +335,22 @@ def test_cpu_sums_of_chunk_sums_are_blocked_too():
     blocked = _blocked_fp32_sum(torch.cat([chunk_sums, torch.zeros(256 * 256 - n_chunks)]))
     got = nanscan.summarize(x, backend="cpu").sumsq
     assert blocked > 2.0 ** 24 and abs(got - want) <= abs(blocked - want)
+
+
+@pytest.mark.parametrize("layout", ["row_sliced", "step_sliced"])
+def test_cpu_parts_of_a_strided_tensor_are_summed_in_blocks(layout):
+    """A strided tensor is walked row by row, each row a part of its chunk; a chunk's parts are added
+    256 at a time too, so 4096 rows of squares summing to 1.0 after a row of 2**24 are not all lost
+    (a sequential sum would round every 2**24 + 1 back to 2**24)."""
+    rows, cols = 4096, 256
+    base = torch.zeros(rows, 2 * cols, dtype=torch.bfloat16)
+    x = base[:, :cols] if layout == "row_sliced" else base[:, ::2]
+    x[1:, 0] = 1.0
+    x[0, 0] = 4096.0  # square 2**24
+    assert not x.is_contiguous() and x.numel() == 2 ** 20
+    want = 2.0 ** 24 + (rows - 1)
+    got = nanscan.summarize(x, backend="cpu").sumsq
+    assert got >= 2.0 ** 24 + 15 * 256 and abs(got - want) < 256, got
 
 
 # ------------------------------------------------------------------------- sum, sum4: mean, kurtosis

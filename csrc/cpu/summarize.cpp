@@ -40,9 +40,15 @@
 namespace nanscan {
 namespace {
 
-// 64K elements: large enough that per-chunk overhead (a Partial, a horizontal reduction) is noise,
-// small enough that float lane counters stay exact (<= 8K per lane) and 2 threads balance well.
-constexpr int64_t kChunk = int64_t{1} << 16;
+// 1M elements. Every chunk ends its vector loop, reduces its lanes and restarts: with 64K-element
+// chunks that cost bf16 a tenth of a 16M-element record against torch.sum on one thread (1.23 ->
+// 1.08 with 1M chunks, benchmarks/record_ratio.py); larger chunks leave fewer to share among threads.
+// Every per-lane counter stays exact (at most kChunk / 8 elements per lane) and every FP32
+// accumulator takes at most kBlock terms (ChunkPartial).
+constexpr int64_t kChunk = int64_t{1} << 20;
+
+// Threads only past this many elements in all (summarize_into).
+constexpr int64_t kThreadsFrom = int64_t{1} << 18;
 
 // Floating types narrower than 64 bits: compared and squared in float32, summed in float32.
 template <typename T>
@@ -108,8 +114,33 @@ inline void accumulate(Partial<acc_t>& p, acc_t v, int64_t index, const Map& map
 // sum over a 64K chunk of bf16 randn squares comes out ~4e-6 low, a blocked one ~3e-7.
 constexpr int64_t kBlock = 256;
 
+// One chunk's partial, fed the partials of its parts -- blocks of the scalar loops, vector runs,
+// rows of a strided walk -- kBlock parts at a time: their sums are added into a run, and every
+// kBlock parts the run is set aside into `done`, so no FP32 accumulator takes more than kBlock terms
+// however many parts a chunk has. (A chunk of at most kBlock parts gives the bits of adding them
+// all in order: done is empty, and 0 + x == x.)
+template <typename acc_t>
+struct ChunkPartial {
+  Partial<acc_t> done, run;
+  int64_t parts = 0;
+
+  inline void merge(const Partial<acc_t>& part) {
+    run.merge(part);
+    if (++parts % kBlock == 0) {
+      done.merge(run);
+      run = Partial<acc_t>();
+    }
+  }
+
+  Partial<acc_t> result() const {
+    Partial<acc_t> all = done;
+    all.merge(run);
+    return all;
+  }
+};
+
 template <typename scalar_t, typename Load, typename Map = Identity>
-void scan_scalar(int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p, Load load, const Map& map = Map{}) {
+void scan_scalar(int64_t begin, int64_t end, ChunkPartial<cmp_t<scalar_t>>& p, Load load, const Map& map = Map{}) {
   using acc_t = cmp_t<scalar_t>;
   for (int64_t b = begin; b < end; b += kBlock) {
     Partial<acc_t> block;
@@ -445,7 +476,7 @@ struct Raw16 {
 #endif
 
 template <typename scalar_t, typename Map = Identity>
-void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<cmp_t<scalar_t>>& p,
+void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, ChunkPartial<cmp_t<scalar_t>>& p,
                      const Map& map = Map{}) {
   using acc_t = cmp_t<scalar_t>;
   auto load = [&](int64_t i) { return data[i]; };
@@ -538,11 +569,11 @@ void scan_contiguous(const scalar_t* data, int64_t begin, int64_t end, Partial<c
 
 template <typename scalar_t>
 void scan_strided(const scalar_t* data, const Geometry& g, int64_t begin, int64_t end,
-                  Partial<cmp_t<scalar_t>>& p) {
+                  ChunkPartial<cmp_t<scalar_t>>& p) {
   using acc_t = cmp_t<scalar_t>;
   const int64_t nd = static_cast<int64_t>(g.sizes.size());
   if (nd == 0) {  // 0-dim or all-ones shape: a single element
-    for (int64_t i = begin; i < end; ++i) accumulate(p, static_cast<acc_t>(data[0]), i);
+    scan_scalar<scalar_t>(begin, end, p, [&](int64_t) { return data[0]; });
     return;
   }
   std::vector<int64_t> counter(nd);
@@ -594,7 +625,7 @@ Partial<double> widened(const Partial<acc_t>& p) {
 
 template <typename scalar_t>
 void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t end, Partial<double>& out) {
-  Partial<cmp_t<scalar_t>> p;
+  ChunkPartial<cmp_t<scalar_t>> p;
   const scalar_t* data = t.const_data_ptr<scalar_t>();
   if (g.contiguous) {
     scan_contiguous(data, begin, end, p);
@@ -603,7 +634,7 @@ void scan_chunk(const at::Tensor& t, const Geometry& g, int64_t begin, int64_t e
   } else {
     scan_strided(data, g, begin, end, p);
   }
-  out = widened(p);
+  out = widened(p.result());
 }
 
 #define NANSCAN_CPU_CASE(enum_type, cpp_type) \
@@ -625,7 +656,7 @@ struct WorkItem {
 
 // One input's record from its chunks, scanned and merged in order: each FP32 sum (of squares,
 // values, fourth powers) of an FP32 input is the FP32 sum of the chunks' FP32 sums, as in the
-// threaded path below -- in blocks of kBlock chunks too (a tensor of more than 16M elements has more
+// threaded path below -- in blocks of kBlock chunks too (a tensor of more than 256M elements has more
 // than kBlock chunks).
 template <typename Scan>
 void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* out) {
@@ -658,9 +689,9 @@ void merge_chunks(const at::Tensor& input, int64_t n_chunks, Scan scan, double* 
 void summarize_contiguous_chunk(const void* data, int64_t n, at::ScalarType dtype, double* out) {
 #define NANSCAN_CPU_CASE(enum_type, cpp_type)                     \
   case at::enum_type: {                                           \
-    Partial<cmp_t<cpp_type>> p;                                   \
+    ChunkPartial<cmp_t<cpp_type>> p;                              \
     scan_contiguous(static_cast<const cpp_type*>(data), 0, n, p); \
-    widened(p).write(out);                                        \
+    widened(p.result()).write(out);                               \
     return;                                                       \
   }
   switch (dtype) {
@@ -695,11 +726,11 @@ using Inputs = c10::SmallVector<c10::MaybeOwned<at::Tensor>, 1>;
 void summarize_into(const Inputs& inputs, double* out) {
   int64_t total = 0;
   for (const auto& x : inputs) total += x->numel();
-  // Threads only past 4 chunks of elements (256K): many small tensors (a model's parameters and
+  // Threads only past kThreadsFrom elements (256K) and a list of more than one chunk: many small tensors (a model's parameters and
   // gradients, summarized by the monitor every step) are a few microseconds of work, less than
   // waking the pool -- and on a busy machine a descheduled pool thread makes the whole call wait.
   // Then each tensor is scanned and written in turn, with no work list.
-  if (total <= 4 * kChunk) {
+  if (total <= kThreadsFrom || (inputs.size() == 1 && total <= kChunk)) {
     for (size_t k = 0; k < inputs.size(); ++k) summarize_serial(*inputs[k], out + k * kRecordSize);
     return;
   }
@@ -759,7 +790,7 @@ at::Tensor summarize_many_cpu(at::TensorList xs) {
 
 }  // namespace
 
-// The record of a contiguous real tensor's copy (n elements of `dtype` at `data`, n <= 65536): what
+// The record of a contiguous real tensor's copy (n elements of `dtype` at `data`, n <= kChunk): what
 // summarize_cpu computes for the tensor (the same scan, the same bits), for records whose values
 // were copied on arrival and are summarized later, in one pass (grad_sink.h: HostRows).
 void summarize_cpu_copy(const void* data, int64_t n, at::ScalarType dtype, double* out) {
@@ -772,7 +803,7 @@ void summarize_cpu_copy(const void* data, int64_t n, at::ScalarType dtype, doubl
 void summarize_cpu_row(const at::Tensor& x, double* out) {
   TORCH_CHECK_VALUE(x.device().is_cpu(), "nanscan.summarize: this is the CPU kernel, got a tensor on ", x.device());
   const auto t = normalized_input(x, "nanscan.summarize");
-  if (t->numel() <= 4 * kChunk) {  // (summarize_into's serial path, without a list of one)
+  if (t->numel() <= std::max(kThreadsFrom, kChunk)) {  // (summarize_into's serial path, without a list of one)
     summarize_serial(*t, out);
     return;
   }
