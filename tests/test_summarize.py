@@ -10,8 +10,10 @@ from tests.helpers import FLOAT8, VALUE_KINDS, assert_record_matches, cast, layo
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, *FLOAT8, torch.int32, torch.int64,
           torch.uint8, torch.bool, torch.complex64]
-# Sizes are multiples of 12 (for the layouts) chosen to straddle vector widths and the 64K chunk.
-SIZES = [12, 1020, 65544, 3 * 65536 + 24]
+# Sizes are multiples of 12 (for the layouts) chosen to straddle vector widths and the GPU kernels'
+# 64K runs. MULTI_CHUNK is past several of the CPU kernel's 1M-element chunks (and several GPU chunks).
+SIZES = [12, 1020, 65544]
+MULTI_CHUNK = 3 * 2**20 + 24
 
 
 def compiled_backends():
@@ -31,7 +33,7 @@ BACKENDS = compiled_backends()
 @pytest.mark.parametrize("kind", VALUE_KINDS)
 def test_matches_reference_all_values(backend, device, dtype, kind):
     gen = torch.Generator().manual_seed(stable_seed(str(dtype), kind))
-    for n in SIZES[:3]:
+    for n in SIZES:
         x = cast(special_values(kind, n, gen), dtype).to(device)
         assert_record_matches(nanscan.record(x, backend=backend), reference.summarize(x), x, f"{backend} n={n}")
 
@@ -41,7 +43,7 @@ def test_matches_reference_all_values(backend, device, dtype, kind):
 @pytest.mark.parametrize("kind", ["random", "mixed", "nan_last"])
 def test_matches_reference_all_layouts(backend, device, dtype, kind):
     gen = torch.Generator().manual_seed(7)
-    base = cast(special_values(kind, 3 * 65536 + 24, gen), dtype).to(device)
+    base = cast(special_values(kind, MULTI_CHUNK, gen), dtype).to(device)
     for name, view in layouts(base):
         assert view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() or name == "channels_last"
         assert_record_matches(nanscan.record(view, backend=backend), reference.summarize(view), view,
@@ -99,7 +101,7 @@ def test_summarize_many_matches_single(backend, device):
     gen = torch.Generator().manual_seed(3)
     xs = [cast(special_values(kind, n, gen), dtype).to(device)
           for kind, n, dtype in [("mixed", 70001, torch.float32), ("random", 5, torch.bfloat16),
-                                 ("nan_last", 3 * 65536 + 1, torch.float16), ("random", 0, torch.float32),
+                                 ("nan_last", 3 * 2**20 + 1, torch.float16), ("random", 0, torch.float32),
                                  ("all_inf", 12, torch.float64), ("random", 100, torch.int64)]]
     xs.append(xs[0].reshape(-1)[:70000].reshape(700, 100).t())
     rows = nanscan.records(xs, backend=backend)
@@ -123,7 +125,7 @@ def test_cpu_results_do_not_depend_on_thread_count():
     if "cpu" not in nanscan.available_backends():
         pytest.skip("compiled library not available")
     gen = torch.Generator().manual_seed(0)
-    xs = [cast(special_values("mixed", 5 * 65536 + 7, gen), dtype) for dtype in (torch.float32, torch.bfloat16)]
+    xs = [cast(special_values("mixed", 5 * 2**20 + 7, gen), dtype) for dtype in (torch.float32, torch.bfloat16)]
     before = torch.get_num_threads()
     try:
         results = []
@@ -381,7 +383,7 @@ def test_mean_and_kurtosis_match_torch(backend, device, dtype, kind):
     present or not), against torch in float64. FP32 accumulation for 8/16/32-bit floats (fp16 / bf16
     included: their values, squares and fourth powers are summed in FP32), FP64 otherwise."""
     gen = torch.Generator().manual_seed(stable_seed("moments", str(dtype), kind))
-    for n in (1, 1000, 3 * 65536 + 24):
+    for n in (1, 1000, MULTI_CHUNK):
         v = special_values(kind, n, gen) * 3 + 0.5  # (a mean away from zero)
         x = cast(v, dtype).to(device)
         s = nanscan.summarize(x, backend=backend)
