@@ -43,8 +43,8 @@ namespace {
 // 1M elements. Every chunk ends its vector loop, reduces its lanes and restarts: with 64K-element
 // chunks that cost bf16 a tenth of a 16M-element record against torch.sum on one thread (1.23 ->
 // 1.08 with 1M chunks, benchmarks/record_ratio.py); larger chunks leave fewer to share among threads.
-// Every per-lane counter stays exact (at most kChunk / 8 elements per lane) and every FP32
-// accumulator takes at most kBlock terms (ChunkPartial).
+// Every per-lane counter stays exact in its integer type (at most kChunk / 4 elements per lane) and
+// every FP32 accumulator takes at most kBlock terms (ChunkPartial).
 constexpr int64_t kChunk = int64_t{1} << 20;
 
 // Threads only past this many elements in all (summarize_into).
@@ -244,11 +244,12 @@ inline at::vec::Vectorized<at::vec::int_same_size_t<acc_t>> mask_as_int(const at
 // multiply + add for the square and its sum, FMA for the fourth power, add for the sum, compare +
 // integer subtract for the zero count; AVX-512: a compare into a mask register + a masked
 // subtract). A NaN or ±Inf input makes its lane's sum of squares NaN or +inf, so "every lane's
-// sumsq is finite" proves the chunk clean; otherwise (a non-finite input, or finite squares that overflowed FP32) the chunk is
-// rescanned by the scalar path, which classifies every element. Those are the rare cases; at worst
-// (all NaN) a chunk is read twice. A fourth power that overflows while the squares do not (FP32,
-// |x| ~ 4.3e9 -- 1.8e19) leaves sum4 +inf in a clean chunk: what the scalar path gives too. The sum
-// needs no check: |sum| <= sqrt(n * sumsq) stays finite while sumsq does.
+// sumsq is finite" proves the chunk clean; otherwise (a non-finite input, or finite squares that
+// overflowed FP32) the chunk is rescanned by the scalar path, which classifies every element.
+// Those are the rare cases; at worst (all NaN) a chunk is read twice. A fourth power that overflows
+// while the squares do not (FP32, |x| ~ 4.3e9 -- 1.8e19) leaves sum4 +inf in a clean chunk: what the
+// scalar path gives too. The sum needs no check: |sum| <= sqrt(n * sumsq) stays finite while sumsq
+// does.
 template <typename acc_t>
 struct VecState {
   using Vec = at::vec::Vectorized<acc_t>;
@@ -302,8 +303,9 @@ struct VecState {
     }
 #if defined(NANSCAN_X86_VEC)
     if constexpr (std::is_same_v<acc_t, float>) {
-      // Three (AVX2) or four (AVX-512) shuffle steps per field instead of a loop over the lanes. The lane sums are >= 0
-      // (or NaN): their total is finite iff every lane is and the total did not overflow.
+      // Three (AVX2) or four (AVX-512) shuffle steps per field instead of a loop over the lanes. The
+      // lane sums are >= 0 (or NaN): their total is finite iff every lane is and the total did not
+      // overflow.
       const float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sumsq);
       if (!std::isfinite(total)) return false;
       p.sumsq += total;
@@ -726,10 +728,11 @@ using Inputs = c10::SmallVector<c10::MaybeOwned<at::Tensor>, 1>;
 void summarize_into(const Inputs& inputs, double* out) {
   int64_t total = 0;
   for (const auto& x : inputs) total += x->numel();
-  // Threads only past kThreadsFrom elements (256K) and a list of more than one chunk: many small tensors (a model's parameters and
-  // gradients, summarized by the monitor every step) are a few microseconds of work, less than
-  // waking the pool -- and on a busy machine a descheduled pool thread makes the whole call wait.
-  // Then each tensor is scanned and written in turn, with no work list.
+  // Threads only past kThreadsFrom elements (256K) in all, and never for a single chunk: many small
+  // tensors (a model's parameters and gradients, summarized by the monitor every step) are a few
+  // microseconds of work, less than waking the pool -- and on a busy machine a descheduled pool
+  // thread makes the whole call wait. Then each tensor is scanned and written in turn, with no work
+  // list.
   if (total <= kThreadsFrom || (inputs.size() == 1 && total <= kChunk)) {
     for (size_t k = 0; k < inputs.size(); ++k) summarize_serial(*inputs[k], out + k * kRecordSize);
     return;
