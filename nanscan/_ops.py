@@ -248,19 +248,35 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     return chosen
 
 
+# Resolved kernels by (backend, $NANSCAN_BACKEND, device type), filled only while the library is
+# loaded: what resolve_backend chooses depends on nothing else, and nanscan.record resolves on every
+# call (a dozen Python calls and lookups that, after a large tensor has streamed through the caches,
+# each miss to DRAM).
+_RESOLVED: dict = {}
+
+
 def kernels(backend: Optional[str], device: torch.device):
     """``(summarize one, summarize many)`` callables of the backend chosen for ``device`` (see
-    :func:`resolve_backend`): the one table from backend name to implementation. They do no
-    Python-side validation (the C++ and Triton kernels check their inputs), so callers on a hot
-    path resolve them once per device and call them directly."""
-    chosen = resolve_backend(backend, device)
+    :func:`resolve_backend`): the one table from backend name to implementation. Every one of them
+    checks its inputs (the C++ kernels in C++, the others with ``reference.normalize_input``);
+    callers on a hot path resolve them once per device and call them directly."""
+    key = (backend, os.environ.get("NANSCAN_BACKEND"), device.type)
+    if LOAD_ERROR is None:
+        found = _RESOLVED.get(key)
+        if found is not None:
+            return found
+    chosen = resolve_backend(backend, device)  # (raises for an unknown or mismatched backend: never cached)
     if chosen == "reference":
         from nanscan.kernels import reference
 
-        return reference.summarize, reference.summarize_many
-    if chosen == "triton":
-        return torch.ops.nanscan.triton_summarize.default, torch.ops.nanscan.triton_summarize_many.default
-    return torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default
+        found = reference.summarize, reference.summarize_many
+    elif chosen == "triton":
+        found = torch.ops.nanscan.triton_summarize.default, torch.ops.nanscan.triton_summarize_many.default
+    else:
+        found = torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default
+    if LOAD_ERROR is None:
+        _RESOLVED[key] = found
+    return found
 
 
 def monitor_extension():

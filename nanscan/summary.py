@@ -30,11 +30,25 @@ def _check_tensor(x, op: str) -> torch.Tensor:
 
 def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """The float64 ``[RECORD_SIZE]`` (10) record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`);
-    for a DTensor, this rank's contribution to the global record (module docstring)."""
-    if sharded.is_dtensor(x):
-        return sharded.local_record(x, lambda t: record(t, backend))
-    _check_tensor(x, "nanscan.record")
-    return _ops.kernels(backend, x.device)[0](x)
+    for a DTensor, this rank's contribution to the global record (module docstring).
+
+    A plain tensor goes straight to the kernel, which checks it (as ``records`` does): only when the
+    kernel refuses it is it checked here, to say what was wrong and what is accepted (the kernel's
+    own error kept as the cause). The fewer Python steps matter after a large tensor: the record
+    streams it through the caches, and every step of the next call's way to the kernel misses."""
+    if type(x) is not torch.Tensor:  # a subclass (a DTensor, a Parameter) or not a tensor at all
+        if sharded.is_dtensor(x):
+            return sharded.local_record(x, lambda t: record(t, backend))
+        _check_tensor(x, "nanscan.record")
+    summarize_one = _ops.kernels(backend, x.device)[0]
+    try:
+        return summarize_one(x)
+    except Exception as refused:
+        try:
+            _check_tensor(x, "nanscan.record")
+        except Exception as clear:
+            raise clear from refused
+        raise
 
 
 def _as_list(xs, op: str) -> list:

@@ -6,6 +6,7 @@ import torch
 
 import nanscan
 from nanscan.kernels import reference
+from nanscan.record import Field
 from tests.helpers import FLOAT8, VALUE_KINDS, assert_record_matches, cast, layouts, special_values, stable_seed
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, *FLOAT8, torch.int32, torch.int64,
@@ -176,6 +177,28 @@ def test_unsupported_inputs_raise_clear_errors(backend):
         nanscan.summarize(torch.empty(3, device="meta"), backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_record_refusals_name_the_input_and_keep_the_kernels_error(backend):
+    """record hands a plain tensor straight to the kernel; what the kernel (or the dispatcher)
+    refuses is then explained as summarize explains it, naming nanscan.record."""
+    if backend not in nanscan.available_backends():
+        pytest.skip("compiled library not available")
+    dense = torch.eye(3)
+    refused = [(dense.to_sparse(), "layout torch.sparse_coo is not supported.*supported: float64"),
+               (torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), "quantized"),
+               (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+               (torch.zeros(3, dtype=torch.uint16), "dtype torch.uint16 is not supported")]
+    for x, message in refused:
+        with pytest.raises(TypeError, match="nanscan.record: " + message) as info:
+            nanscan.record(x, backend=backend)
+        if backend == "cpu" and x.layout != torch.strided:  # (the dispatcher's own refusal, kept)
+            assert info.value.__cause__ is not None
+    with pytest.raises(TypeError, match="nanscan.record: expected a torch.Tensor, got list"):
+        nanscan.record([1.0, 2.0], backend=backend)
+    param = torch.nn.Parameter(torch.tensor([1.0, float("inf")]))  # a subclass: checked, then summarized
+    assert nanscan.record(param, backend=backend)[Field.POSINF_COUNT].item() == 1
+
+
 def test_a_tensor_is_not_a_list_of_tensors():
     for fn in (nanscan.summarize_many, nanscan.records):
         with pytest.raises(TypeError, match="got a tensor of shape \\(3, 4\\)"):
@@ -209,7 +232,10 @@ def test_cpu_kernel_and_reference_accept_the_same_dtypes():
 def test_backend_choice_errors_and_env(monkeypatch):
     with pytest.raises(ValueError, match="unknown nanscan backend backend='fast'; choose one of cpu, cuda"):
         nanscan.summarize(torch.ones(2), backend="fast")
-    monkeypatch.setenv("NANSCAN_BACKEND", "nope")
+    nanscan.record(torch.ones(2))  # resolved (and remembered) without NANSCAN_BACKEND...
+    monkeypatch.setenv("NANSCAN_BACKEND", "nope")  # ...which is still read on every call
+    with pytest.raises(ValueError, match="NANSCAN_BACKEND='nope'"):
+        nanscan.record(torch.ones(2))
     with pytest.raises(ValueError, match="NANSCAN_BACKEND='nope'"):
         nanscan.summarize(torch.ones(2))
     monkeypatch.setenv("NANSCAN_BACKEND", "reference")
