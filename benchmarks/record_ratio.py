@@ -11,6 +11,13 @@ measurement and prints every run's median, so the spread between runs is visible
 
 For scale, `torch.linalg.vector_norm` (one statistic where the record has ten) is measured against
 `torch.sum` the same way: torch's own one-statistic reductions are not all at the read floor either.
+`--subjects op` times the bare custom op (`torch.ops.nanscan.summarize`), without `nanscan.record`'s
+Python.
+
+`--cold P` adds what a call costs on its way to the kernel once a large tensor has streamed every
+cache out: a call on a 16-element tensor right after a `torch.sum` of the large one, for `torch.sum`,
+the op and `nanscan.record` (median of P, in microseconds, beside the same call made warm). A record
+of a large tensor pays this on top of its read; the pairs above include it.
 """
 import argparse
 import statistics
@@ -23,8 +30,30 @@ import nanscan
 
 SUBJECTS = {
     "record": lambda x: nanscan.record(x, backend="cpu"),
+    "op": lambda x: torch.ops.nanscan.summarize.default(x),
     "vector_norm": torch.linalg.vector_norm,
 }
+COLD_CALLS = {
+    "torch.sum": torch.sum,
+    "op": lambda x: torch.ops.nanscan.summarize.default(x),
+    "record": lambda x: nanscan.record(x, backend="cpu"),
+}
+
+
+def cold_and_warm(call, big: torch.Tensor, repeats: int) -> tuple:
+    """Median microseconds of call(16 elements) right after big.sum() (cold), and right after itself (warm)."""
+    small = torch.randn(16)
+    cold, warm = [], []
+    for _ in range(repeats):
+        big.sum()
+        t0 = time.perf_counter()
+        call(small)
+        t1 = time.perf_counter()
+        call(small)
+        t2 = time.perf_counter()
+        cold.append(t1 - t0)
+        warm.append(t2 - t1)
+    return statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
 
 
 def pair_ratios(subject, x: torch.Tensor, pairs: int) -> list[float]:
@@ -62,6 +91,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--subjects", default="record,vector_norm", help=f"of {sorted(SUBJECTS)}")
+    parser.add_argument("--cold", type=int, default=0, metavar="P",
+                        help="also time 16-element calls right after a sum of the large tensor (P repeats)")
     args = parser.parse_args(argv)
     if "cpu" not in nanscan.available_backends():
         raise SystemExit("the C++ CPU backend is not built (pip install -e . builds it)")
@@ -85,6 +116,14 @@ def main(argv=None) -> None:
                     medians = [statistics.median(pair_ratios(SUBJECTS[subject], x, args.pairs))
                                for _ in range(args.runs)]
                     print(f"| {subject} | {dtype} | {threads} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+        if args.cold:
+            torch.set_num_threads(1)
+            print(f"\n16-element calls on 1 thread, microseconds (median of {args.cold}): cold = right after a "
+                  f"torch.sum of the {args.numel:,} fp32 elements, warm = right after the same call")
+            print("| call | cold | warm |\n|---|---|---|")
+            for name, call in COLD_CALLS.items():
+                cold, warm = cold_and_warm(call, base, args.cold)
+                print(f"| {name} | {cold:.0f} | {warm:.1f} |")
     finally:
         torch.set_num_threads(saved_threads)
 

@@ -224,7 +224,7 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     fastest for the device (cpu -> C++ CPU kernels; cuda -> C++/CUDA kernels, or Triton when the
     library was built without CUDA). Raises ValueError for an unknown or mismatched backend and
     ExtensionError when a compiled backend is asked for but the library is unusable."""
-    chosen = backend if backend is not None else (os.environ.get("NANSCAN_BACKEND") or None)
+    chosen = backend if backend is not None else (env_backend() or None)
     source = "backend=" if backend is not None else "NANSCAN_BACKEND="
     if chosen is None:
         if device.type in ("cpu", "meta"):  # meta: the op's fake kernel propagates shapes
@@ -249,10 +249,42 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
 
 
 # Resolved kernels by (backend, $NANSCAN_BACKEND, device type), filled only while the library is
-# loaded: what resolve_backend chooses depends on nothing else, and nanscan.record resolves on every
-# call (a dozen Python calls and lookups that, after a large tensor has streamed through the caches,
-# each miss to DRAM).
+# loaded: what resolve_backend chooses depends on nothing else. nanscan.record resolves on every
+# call, and after a large tensor has streamed every cache out each Python step on the way misses to
+# DRAM: see Note [the way to the kernel].
 _RESOLVED: dict = {}
+
+# Note [the way to the kernel]: a record of a 64 MB tensor leaves nothing of the interpreter in the
+# caches, so the next call's steps are paid in DRAM misses: measured right after a 16M torch.sum, a
+# 16-element call took about 90 us through the bare op, and each of `os.environ.get(...)` and
+# `x.device` added about 30 (warm: under a microsecond each) -- a few percent of a 16M record. The
+# lookup below reads the environment's own dict (CPython keeps os.environ's encoded keys and values
+# there, updated on every set and delete) and the device type from x.is_cpu / x.is_cuda; anything
+# else takes the plain route.
+try:
+    _ENV_KEY = os.environ.encodekey("NANSCAN_BACKEND")
+except AttributeError:  # pragma: no cover - an os.environ without CPython's _Environ internals
+    _ENV_KEY = None
+
+
+def env_backend() -> Optional[str]:
+    """``$NANSCAN_BACKEND`` as ``os.environ.get`` gives it (Note [the way to the kernel])."""
+    data = getattr(os.environ, "_data", None) if _ENV_KEY is not None else None
+    if not isinstance(data, dict):
+        return os.environ.get("NANSCAN_BACKEND")
+    raw = data.get(_ENV_KEY)
+    return None if raw is None else os.environ.decodevalue(raw)
+
+
+def record_kernel(backend: Optional[str], x: torch.Tensor) -> Callable:
+    """``kernels(backend, x.device)[0]``, found without building ``x.device`` for a CPU or CUDA
+    tensor once resolved (Note [the way to the kernel])."""
+    device_type = "cpu" if x.is_cpu else "cuda" if x.is_cuda else None
+    if device_type is not None and LOAD_ERROR is None:
+        found = _RESOLVED.get((backend, env_backend(), device_type))
+        if found is not None:
+            return found[0]
+    return kernels(backend, x.device)[0]
 
 
 def kernels(backend: Optional[str], device: torch.device):
@@ -260,7 +292,7 @@ def kernels(backend: Optional[str], device: torch.device):
     :func:`resolve_backend`): the one table from backend name to implementation. Every one of them
     checks its inputs (the C++ kernels in C++, the others with ``reference.normalize_input``);
     callers on a hot path resolve them once per device and call them directly."""
-    key = (backend, os.environ.get("NANSCAN_BACKEND"), device.type)
+    key = (backend, env_backend(), device.type)
     if LOAD_ERROR is None:
         found = _RESOLVED.get(key)
         if found is not None:

@@ -35,12 +35,13 @@ def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     A plain tensor goes straight to the kernel, which checks it (as ``records`` does): only when the
     kernel refuses it is it checked here, to say what was wrong and what is accepted (the kernel's
     own error kept as the cause). The fewer Python steps matter after a large tensor: the record
-    streams it through the caches, and every step of the next call's way to the kernel misses."""
+    streams it through the caches, and every step of the next call's way to the kernel misses (Note
+    [the way to the kernel] in nanscan/_ops.py)."""
     if type(x) is not torch.Tensor:  # a subclass (a DTensor, a Parameter) or not a tensor at all
         if sharded.is_dtensor(x):
             return sharded.local_record(x, lambda t: record(t, backend))
         _check_tensor(x, "nanscan.record")
-    summarize_one = _ops.kernels(backend, x.device)[0]
+    summarize_one = _ops.record_kernel(backend, x)
     try:
         return summarize_one(x)
     except Exception as refused:

@@ -113,6 +113,19 @@ def test_record_ratio_prints_one_row_of_run_medians_per_subject_dtype_and_thread
         assert len(medians) == 2 and all(m > 0 for m in medians)
 
 
+def test_record_ratio_times_the_bare_op_and_cold_calls(capsys):
+    from benchmarks import record_ratio
+
+    record_ratio.main(["--numel", "4096", "--pairs", "3", "--runs", "1", "--threads", "1",
+                       "--dtypes", "float32", "--subjects", "op", "--cold", "3"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line]
+    assert [r[0].strip("| ") for r in rows] == ["subject", "op", "call", "torch.sum", "op", "record"]
+    for row in rows[3:]:
+        cold, warm = (float(cell.strip(" |")) for cell in row[1:])
+        assert cold > 0 and warm > 0
+
+
 def test_record_ratio_refuses_an_unknown_subject_by_name(capsys):
     from benchmarks import record_ratio
 

@@ -300,3 +300,24 @@ def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later
     w.add(b, types.SimpleNamespace(stale=False))
     got = torch.cat(w.take()[1])
     assert got[:, 3].tolist() == [0.0, 7.0, 2.0]  # zero counts, in production order
+
+
+def test_env_backend_reads_what_os_environ_holds(monkeypatch):
+    """The backend lookup reads os.environ's own storage (a few DRAM misses fewer per call after a
+    large record): it must see every set and delete made through os.environ."""
+    monkeypatch.delenv("NANSCAN_BACKEND", raising=False)
+    assert _ops.env_backend() is None
+    for value in ("reference", "cpu", "", "é"):
+        monkeypatch.setenv("NANSCAN_BACKEND", value)
+        assert _ops.env_backend() == _ops.os.environ.get("NANSCAN_BACKEND") == value
+    monkeypatch.delenv("NANSCAN_BACKEND")
+    assert _ops.env_backend() is None
+
+
+def test_record_kernel_is_the_resolved_kernel_for_every_device_type(monkeypatch):
+    monkeypatch.delenv("NANSCAN_BACKEND", raising=False)
+    for x in (torch.ones(3), torch.empty(3, device="meta")):
+        for backend in (None, "cpu", "reference"):
+            assert _ops.record_kernel(backend, x) is _ops.kernels(backend, x.device)[0]
+    monkeypatch.setenv("NANSCAN_BACKEND", "reference")
+    assert _ops.record_kernel(None, torch.ones(3)) is _ops.kernels("reference", torch.device("cpu"))[0]
