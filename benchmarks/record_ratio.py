@@ -14,13 +14,19 @@ For scale, `torch.linalg.vector_norm` (one statistic where the record has ten) i
 `--subjects op` times the bare custom op (`torch.ops.nanscan.summarize`), without `nanscan.record`'s
 Python.
 
+`--neighbour` runs the measurement beside a memory-streaming process (a NumPy copy of 256 MB, over
+and over, on its own core): what a busy machine does to both.
+
 `--cold P` adds what a call costs on its way to the kernel once a large tensor has streamed every
 cache out: a call on a 16-element tensor right after a `torch.sum` of the large one, for `torch.sum`,
 the op and `nanscan.record` (median of P, in microseconds, beside the same call made warm). A record
 of a large tensor pays this on top of its read; the pairs above include it.
 """
 import argparse
+import contextlib
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -38,6 +44,32 @@ COLD_CALLS = {
     "op": lambda x: torch.ops.nanscan.summarize.default(x),
     "record": lambda x: nanscan.record(x, backend="cpu"),
 }
+
+
+NEIGHBOUR = """
+import numpy as np
+a = np.ones(1 << 26, dtype=np.float32)
+b = np.empty_like(a)
+print("streaming", flush=True)
+while True:
+    np.copyto(b, a)
+"""
+
+
+@contextlib.contextmanager
+def memory_neighbour(on: bool):
+    """A process that streams 256 MB through memory over and over while the block runs (if on); yields it."""
+    if not on:
+        yield None
+        return
+    proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True)
+    try:
+        if proc.stdout.readline().strip() != "streaming":
+            raise SystemExit("the memory-streaming neighbour did not start")
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def cold_and_warm(call, big: torch.Tensor, repeats: int) -> tuple:
@@ -91,6 +123,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--subjects", default="record,vector_norm", help=f"of {sorted(SUBJECTS)}")
+    parser.add_argument("--neighbour", action="store_true", help="measure beside a memory-streaming process")
     parser.add_argument("--cold", type=int, default=0, metavar="P",
                         help="also time 16-element calls right after a sum of the large tensor (P repeats)")
     args = parser.parse_args(argv)
@@ -103,29 +136,36 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown --subjects {unknown}; known: {sorted(SUBJECTS)}")
     print(f"time / torch.sum's, {args.numel:,} elements, median of {args.pairs} alternated pairs per run, "
-          f"torch's CPU kernels {torch.backends.cpu.get_cpu_capability()}, nanscan's {_isa()}")
+          f"torch's CPU kernels {torch.backends.cpu.get_cpu_capability()}, nanscan's {_isa()}"
+          + (", beside a memory-streaming process" if args.neighbour else ""))
     print("| subject | dtype | threads | " + " | ".join(f"run {r + 1}" for r in range(args.runs)) + " |")
     print("|---|---|---|" + "---|" * args.runs)
     saved_threads = torch.get_num_threads()
-    try:
-        for dtype in args.dtypes.split(","):
-            x = base.to(getattr(torch, dtype)).contiguous()
-            for threads in (int(t) for t in args.threads.split(",")):
-                torch.set_num_threads(threads)
-                for subject in subjects:
-                    medians = [statistics.median(pair_ratios(SUBJECTS[subject], x, args.pairs))
-                               for _ in range(args.runs)]
-                    print(f"| {subject} | {dtype} | {threads} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
-        if args.cold:
-            torch.set_num_threads(1)
-            print(f"\n16-element calls on 1 thread, microseconds (median of {args.cold}): cold = right after a "
-                  f"torch.sum of the {args.numel:,} fp32 elements, warm = right after the same call")
-            print("| call | cold | warm |\n|---|---|---|")
-            for name, call in COLD_CALLS.items():
-                cold, warm = cold_and_warm(call, base, args.cold)
-                print(f"| {name} | {cold:.0f} | {warm:.1f} |")
-    finally:
-        torch.set_num_threads(saved_threads)
+    with memory_neighbour(args.neighbour):
+        try:
+            _measure(args, base, subjects)
+        finally:
+            torch.set_num_threads(saved_threads)
+
+
+def _measure(args, base: torch.Tensor, subjects: list) -> None:
+    """The table of run medians, then (--cold) the 16-element calls."""
+    for dtype in args.dtypes.split(","):
+        x = base.to(getattr(torch, dtype)).contiguous()
+        for threads in (int(t) for t in args.threads.split(",")):
+            torch.set_num_threads(threads)
+            for subject in subjects:
+                medians = [statistics.median(pair_ratios(SUBJECTS[subject], x, args.pairs))
+                           for _ in range(args.runs)]
+                print(f"| {subject} | {dtype} | {threads} | " + " | ".join(f"{m:.2f}" for m in medians) + " |")
+    if args.cold:
+        torch.set_num_threads(1)
+        print(f"\n16-element calls on 1 thread, microseconds (median of {args.cold}): cold = right after a "
+              f"torch.sum of the {args.numel:,} fp32 elements, warm = right after the same call")
+        print("| call | cold | warm |\n|---|---|---|")
+        for name, call in COLD_CALLS.items():
+            cold, warm = cold_and_warm(call, base, args.cold)
+            print(f"| {name} | {cold:.0f} | {warm:.1f} |")
 
 
 if __name__ == "__main__":

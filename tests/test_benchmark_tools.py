@@ -126,6 +126,17 @@ def test_record_ratio_times_the_bare_op_and_cold_calls(capsys):
         assert cold > 0 and warm > 0
 
 
+def test_record_ratio_neighbour_streams_while_measured_and_is_gone_after(capsys):
+    from benchmarks import record_ratio
+
+    with record_ratio.memory_neighbour(True) as proc:
+        assert proc.poll() is None  # started (it said so once its arrays were made) and running
+    assert proc.poll() is not None
+    record_ratio.main(["--numel", "4096", "--pairs", "3", "--runs", "1", "--threads", "1",
+                       "--dtypes", "float32", "--subjects", "record", "--neighbour"])
+    assert "beside a memory-streaming process" in capsys.readouterr().out
+
+
 def test_record_ratio_refuses_an_unknown_subject_by_name(capsys):
     from benchmarks import record_ratio
 
