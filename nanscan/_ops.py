@@ -248,8 +248,8 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     return chosen
 
 
-# Resolved kernels by (backend, $NANSCAN_BACKEND, device type), filled only while the library is
-# loaded: what resolve_backend chooses depends on nothing else. nanscan.record resolves on every
+# Resolved compiled kernels (ops) by (backend, $NANSCAN_BACKEND, device type), filled only while the
+# library is loaded: what resolve_backend chooses depends on nothing else. nanscan.record resolves on every
 # call, and after a large tensor has streamed every cache out each Python step on the way misses to
 # DRAM: see Note [the way to the kernel].
 _RESOLVED: dict = {}
@@ -306,7 +306,7 @@ def kernels(backend: Optional[str], device: torch.device):
         found = torch.ops.nanscan.triton_summarize.default, torch.ops.nanscan.triton_summarize_many.default
     else:
         found = torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default
-    if LOAD_ERROR is None:
+    if LOAD_ERROR is None and chosen != "reference":  # (the reference's functions are looked up each time: patchable)
         _RESOLVED[key] = found
     return found
 
