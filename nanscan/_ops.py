@@ -280,11 +280,13 @@ def record_kernel(backend: Optional[str], x: torch.Tensor) -> Callable:
     """``kernels(backend, x.device)[0]``, found without building ``x.device`` for a CPU or CUDA
     tensor once resolved (Note [the way to the kernel])."""
     device_type = "cpu" if x.is_cpu else "cuda" if x.is_cuda else None
-    if device_type is not None and LOAD_ERROR is None:
-        found = _RESOLVED.get((backend, env_backend(), device_type))
-        if found is not None:
-            return found[0]
-    return kernels(backend, x.device)[0]
+    found = _remembered(backend, device_type) if device_type is not None else None
+    return found[0] if found is not None else kernels(backend, x.device)[0]
+
+
+def _remembered(backend: Optional[str], device_type: str):
+    """The kernels resolved before for this backend, $NANSCAN_BACKEND and device type, or None."""
+    return _RESOLVED.get((backend, env_backend(), device_type)) if LOAD_ERROR is None else None
 
 
 def kernels(backend: Optional[str], device: torch.device):
@@ -292,11 +294,9 @@ def kernels(backend: Optional[str], device: torch.device):
     :func:`resolve_backend`): the one table from backend name to implementation. Every one of them
     checks its inputs (the C++ kernels in C++, the others with ``reference.normalize_input``);
     callers on a hot path resolve them once per device and call them directly."""
-    key = (backend, env_backend(), device.type)
-    if LOAD_ERROR is None:
-        found = _RESOLVED.get(key)
-        if found is not None:
-            return found
+    found = _remembered(backend, device.type)
+    if found is not None:
+        return found
     chosen = resolve_backend(backend, device)  # (raises for an unknown or mismatched backend: never cached)
     if chosen == "reference":
         from nanscan.kernels import reference
@@ -307,7 +307,7 @@ def kernels(backend: Optional[str], device: torch.device):
     else:
         found = torch.ops.nanscan.summarize.default, torch.ops.nanscan.summarize_many.default
     if LOAD_ERROR is None and chosen != "reference":  # (the reference's functions are looked up each time: patchable)
-        _RESOLVED[key] = found
+        _RESOLVED[(backend, env_backend(), device.type)] = found
     return found
 
 

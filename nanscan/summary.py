@@ -28,6 +28,15 @@ def _check_tensor(x, op: str) -> torch.Tensor:
     return x
 
 
+def _explain_refusal(x, op: str, refused: Exception) -> None:
+    """After a kernel refused its input: the clear error for ``x`` (what was wrong, what is accepted),
+    raised from the kernel's own; nothing if ``x`` passes the check (the caller re-raises)."""
+    try:
+        _check_tensor(x, op)
+    except Exception as clear:
+        raise clear from refused
+
+
 def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """The float64 ``[RECORD_SIZE]`` (10) record of ``x`` on ``x.device`` (layout: :class:`nanscan.record.Field`);
     for a DTensor, this rank's contribution to the global record (module docstring).
@@ -45,10 +54,7 @@ def record(x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     try:
         return summarize_one(x)
     except Exception as refused:
-        try:
-            _check_tensor(x, "nanscan.record")
-        except Exception as clear:
-            raise clear from refused
+        _explain_refusal(x, "nanscan.record", refused)
         raise
 
 
@@ -76,10 +82,7 @@ def records(xs: Sequence[torch.Tensor], backend: Optional[str] = None) -> torch.
         if any(sharded.is_dtensor(x) for x in xs):  # (each DTensor maps its own first index)
             return torch.stack([record(x, backend) for x in xs])
         for x in xs:
-            try:
-                _check_tensor(x, "nanscan.records")
-            except Exception as clear:
-                raise clear from refused
+            _explain_refusal(x, "nanscan.records", refused)
         devices = {x.device for x in xs}
         if len(devices) > 1:
             raise ValueError(f"nanscan.records: all tensors must be on one device, got "
