@@ -46,15 +46,20 @@ bench: build
 demo: build
 	$(PY) -m nanscan demo
 
-# The GPU machine's stack (torch 2.11 / triton 3.6): the same extension and test suite in a second
-# venv (the third-party model tests skip there: their pins target the newest torch).
+# The GPU machine's stack (torch 2.11 / triton 3.6, transformers 5.17): the same extension and test
+# suite in a second venv (the HF Trainer / Lightning / tracker tests skip there: their pins target
+# the newest torch).
 COMPAT_VENV ?= .venv-compat
 COMPAT_TORCH ?= 2.11.0
+COMPAT_TORCHVISION ?= 0.26.0
 test-compat:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install --upgrade "pip>=23" setuptools wheel
 	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib ninja \
 		"tensorboard==2.21.0"
+	# the GPU machine's transformers, and timm, for the real-model tests (tests/test_compiled_real_models.py,
+	# tests/test_real_models.py) on this torch too
+	$(COMPAT_VENV)/bin/python -m pip install "torchvision==$(COMPAT_TORCHVISION)" "transformers==5.17.0" "timm==1.0.31"
 	TORCH_CUDA_ARCH_LIST="9.0" $(COMPAT_VENV)/bin/python -m pip install --no-build-isolation --no-deps -e .  # (sm_90: the H200)
 	$(COMPAT_VENV)/bin/python -m nanscan info
 	$(COMPAT_VENV)/bin/python -m pytest -q tests

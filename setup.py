@@ -51,7 +51,8 @@ if cuda_home:
 import torch  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
-SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/module.cpp", "csrc/monitor/stamp_rows.cpp"]
+SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/refusals.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/module.cpp",
+               "csrc/monitor/stamp_rows.cpp"]
 SOURCES_CUDA = ["csrc/cuda/summarize.cu"]  # #includes csrc/cuda/reduce.cuh and csrc/cuda/kernels.cuh
 # Every header under csrc/. With ninja (the default) torch forces the build and ninja follows the
 # compilers' own header dependencies; without it, setuptools skips the extension unless a file of

@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
 # The GPU check, on the accelerator machine (one H200, torch 2.11 / triton 3.6, no network; see
-# ../shared/gpu/README.md): build nanscan against the machine's own torch, run the GPU tests, the
-# launch counts and the kernel benchmarks (part 1), then the host cost and the monitor benchmarks
-# (part 2), writing logs, JSON and a markdown ratio table to $OUT.
+# ../shared/gpu/README.md): build nanscan against the machine's own torch; part 1 runs the GPU tests,
+# the launch counts and the kernel, host-cost and monitor benchmarks; part 2 the whole test suite with
+# CUDA available, then the CUDA-graph benchmark -- writing logs, JSON and markdown tables to $OUT.
 #
 # HOW TO RUN IT (device tool `run`, from the repository root):
 #   1. command: bash benchmarks/gpu_check.sh --part 1        timeout_s: 570
-#      Build, GPU tests, the >2**31-element case, launch counts, kernel benchmarks, results.md.
+#      Build, tests/test_cuda.py (its >2**31-element case included), launch counts, kernel
+#      benchmarks, host cost on CUDA, the monitor benchmarks eager / compiled, results.md.
 #      Fits a 520 s deadline (check here: `bash benchmarks/gpu_check.sh --part 1 --plan`).
-#   2. At once, on the warm machine (if >= 5 minutes of device time are left):
-#      command: bash benchmarks/gpu_check.sh --part 2        timeout_s: 570
-#      Host cost on CUDA, the monitor benchmarks eager / compiled / compiled with CUDA graphs,
-#      results.md of those. It rebuilds first only if the machine is a fresh one.
-#   3. give_back, then commit what came back under benchmarks/results/<date>-h200/ (part1/, part2/):
-#      every file, plus <date>-h200.md (the results.md tables) and the numbers in
-#      benchmarks/README.md and the README's GPU row. A failing GPU test is the finding to fix first.
+#   2. At once, on the warm machine, with what is left of the device time (status: budget_left_s):
+#      command: NANSCAN_GPU_DEADLINE=<budget_left_s - 60, at most 520> bash benchmarks/gpu_check.sh --part 2
+#      timeout_s: that deadline + 40. The whole suite, file by file, 6 files at once, each test at
+#      most 90 s (benchmarks/gpu_tests.py: a crashing or hung test is named and the file goes on
+#      after it), then the CUDA-graph monitor benchmark if time is left. It rebuilds first only if
+#      the machine is a fresh one. `--plan` shows the suite's schedule against the deadline.
+#   3. give_back, then commit what came back under benchmarks/results/<date>-h200/ (p1/, p2/):
+#      every file, plus <date>-h200.md (the tables) and the numbers in benchmarks/README.md and the
+#      README's GPU rows. A failing GPU test is the finding to fix first.
 #
 # Every stage's time limit is the smaller of its own and what is left of the part's deadline
 # (NANSCAN_GPU_DEADLINE, 520 s from the script's start); a stage with less than its minimum left is
-# skipped and says so. Test output is tee'd to check-N.log as it is produced and pytest writes a
-# JUnit XML file, so a command killed at its limit still brings back every line written until then;
-# results.md is written as soon as the benchmarks it tabulates end. Stages run in order of value.
-# $OUT gets at most 8 files per part (the device tool's limit).
+# skipped and says so. Tests run through benchmarks/gpu_tests.py: each file in its own process, so a
+# crash ends one test, never the run; its tests.md names every failed, crashed and timed-out test,
+# and its deadline is the stage's. Benchmark output is tee'd as it is produced; results.md is
+# written as soon as the benchmarks it tabulates end. Stages run in order of value. $OUT gets at
+# most 8 files per part (the device tool's limit).
 #
 #   bash benchmarks/gpu_check.sh --part 1|2 [--plan]      (OUT=... optional)
 set -uo pipefail
+cd "$(dirname "$0")/.."
 
 PART=1
 PLAN=0
@@ -33,7 +38,7 @@ while [ $# -gt 0 ]; do
     --part) PART="${2:-}"; shift 2 ;;
     --part=*) PART="${1#--part=}"; shift ;;
     --plan) PLAN=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument '$1' (accepted: --part 1|2, --plan)" >&2; exit 2 ;;
   esac
 done
@@ -45,16 +50,24 @@ START=$(date +%s)
 # name | own limit (s) | minimum worth starting (s) | estimate on the H200 (s)
 PART1_STAGES=(
   "build|240|60|110"
-  "tests|180|30|70"
-  "more_than_2_pow_31|60|20|15"
+  "cuda_tests|90|30|40"
   "launch_counts|45|10|10"
   "bench_kernels|150|40|70"
-  "table|20|2|2"
-)
-PART2_STAGES=(
-  "build_if_fresh|240|60|0"
   "host_cost|90|20|30"
   "bench_monitor|240|60|180"
+  "table|20|2|2"
+)
+# The suite's estimate is benchmarks/gpu_tests.py's plan for SUITE_JOBS processes (its ESTIMATES).
+SUITE_JOBS=6
+SUITE_TEST_TIMEOUT=90
+suite_estimate() {
+  local est; est=$(python3 -m benchmarks.gpu_tests --plan --jobs "$SUITE_JOBS" --deadline 100000 2>/dev/null \
+    | sed -n 's/^estimated: \([0-9]*\) s.*/\1/p')
+  echo "${est:-9999}"  # (no plan: the part cannot be shown to fit)
+}
+PART2_STAGES=(
+  "build_if_fresh|240|60|0"
+  "suite|520|60|$(suite_estimate)"
   "bench_cudagraphs|150|40|90"
   "table|20|2|2"
 )
@@ -142,16 +155,11 @@ if [ "$PART" = 1 ]; then
     exit 1
   fi
 
-  MARK=(-m "not slow"); [ "${GPU_CHECK_SLOW:-0}" = 1 ] && MARK=()
-  # GPU tests first (fast, most telling), then every backend vs reference on CUDA tensors.
-  run_limited tests python3 -m pytest -q tests/test_cuda.py tests/test_summarize.py tests/test_ops.py "${MARK[@]}" \
-    "${PYTEST_REPORT[@]}" --junitxml="$OUT/junit-tests.xml" 2>&1 | tee -a "$LOG"
-  done_stage tests "${PIPESTATUS[0]}"
-
-  # The one slow GPU test, run once whatever MARK says: more than 2**31 elements.
-  run_limited more_than_2_pow_31 python3 -m pytest -q "tests/test_cuda.py::test_more_than_2_pow_31_elements" \
-    "${PYTEST_REPORT[@]}" 2>&1 | tee -a "$LOG"
-  done_stage more_than_2_pow_31 "${PIPESTATUS[0]}"
+  # The GPU-only tests first (its >2**31-element case included), each in its own process: a crash
+  # names its test and the rest still run.
+  run_limited cuda_tests python3 -m benchmarks.gpu_tests tests/test_cuda.py --jobs 1 \
+    --per-test-timeout "$SUITE_TEST_TIMEOUT" --deadline "$(( $(budget cuda_tests) - 15 ))" --out "$OUT" 2>&1 | tee -a "$LOG"
+  done_stage cuda_tests "${PIPESTATUS[0]}"
 
   run_limited launch_counts python3 -m benchmarks.launch_counts --json "$OUT/launches.json" 2>&1 | tee -a "$LOG"
   done_stage launch_counts "${PIPESTATUS[0]}"
@@ -160,7 +168,14 @@ if [ "$PART" = 1 ]; then
     --benchmark-json="$OUT/bench-kernels.json" 2>&1 | tee -a "$BENCH_LOG"
   done_stage bench_kernels "${PIPESTATUS[0]}"
 
-  table "$OUT/results.md" "$OUT/bench-kernels.json"
+  run_limited host_cost python3 -m benchmarks.host_cost --device cuda --steps 30 --rounds 5 2>&1 | tee -a "$LOG"
+  done_stage host_cost "${PIPESTATUS[0]}"
+
+  run_limited bench_monitor python3 -m pytest -q benchmarks/bench_monitor.py -k "not reduce-overhead" "${BENCH[@]}" \
+    --benchmark-json="$OUT/bench-monitor.json" 2>&1 | tee -a "$BENCH_LOG"
+  done_stage bench_monitor "${PIPESTATUS[0]}"
+
+  table "$OUT/results.md" "$OUT/bench-kernels.json" "$OUT/bench-monitor.json"
   done_stage table 0
 else
   if built; then
@@ -171,17 +186,16 @@ else
   done_stage build_if_fresh "$status"
   [ "$status" -ne 0 ] && { echo "build failed (status $status): nothing else runs" | tee -a "$LOG"; exit 1; }
 
-  run_limited host_cost python3 -m benchmarks.host_cost --device cuda --steps 30 --rounds 5 2>&1 | tee -a "$LOG"
-  done_stage host_cost "${PIPESTATUS[0]}"
-
-  run_limited bench_monitor python3 -m pytest -q benchmarks/bench_monitor.py -k "not reduce-overhead" "${BENCH[@]}" \
-    --benchmark-json="$OUT/bench-monitor.json" 2>&1 | tee -a "$BENCH_LOG"
-  done_stage bench_monitor "${PIPESTATUS[0]}"
+  # The whole suite with CUDA available: each file in its own process, SUITE_JOBS at once, each
+  # test at most SUITE_TEST_TIMEOUT s, ended at the stage's budget (benchmarks/gpu_tests.py).
+  run_limited suite python3 -m benchmarks.gpu_tests --jobs "$SUITE_JOBS" --per-test-timeout "$SUITE_TEST_TIMEOUT" \
+    --deadline "$(( $(budget suite) - 15 ))" --out "$OUT" 2>&1 | tee -a "$LOG"
+  done_stage suite "${PIPESTATUS[0]}"
 
   run_limited bench_cudagraphs python3 -m pytest -q benchmarks/bench_monitor.py -k "reduce-overhead" "${BENCH[@]}" \
     --benchmark-json="$OUT/bench-cudagraphs.json" 2>&1 | tee -a "$BENCH_LOG"
   done_stage bench_cudagraphs "${PIPESTATUS[0]}"
 
-  table "$OUT/results.md" "$OUT/bench-monitor.json" "$OUT/bench-cudagraphs.json"
+  table "$OUT/results.md" "$OUT/bench-cudagraphs.json"
   done_stage table 0
 fi

@@ -66,6 +66,26 @@ inline at::Tensor normalize_input(const at::Tensor& x, const char* op) {
   return t;
 }
 
+// All tensors of a list on one device, checked before anything else reads them. Why every op
+// checks for itself: the dispatcher sends the whole list to one device's kernel (cpu + cuda to the
+// CUDA kernel, cpu + meta to the fake kernel, which has no values to read), and the Python API
+// hands lists straight to the ops. (Undefined tensors are left to normalize_input's refusal.)
+inline void check_one_device(at::TensorList xs, const char* op) {
+  const at::Tensor* first = nullptr;
+  size_t first_at = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (!xs[i].defined()) continue;
+    if (first == nullptr) {
+      first = &xs[i];
+      first_at = i;
+      continue;
+    }
+    TORCH_CHECK_VALUE(xs[i].device() == first->device(), op, ": all tensors must be on one device, but xs[", i,
+                      "] is on ", xs[i].device(), " and xs[", first_at, "] on ", first->device(),
+                      "; summarize each device's tensors in a call of their own");
+  }
+}
+
 // normalize_input without a copy of the handle when x is read as it is (every real tensor that is
 // not a lazily negated view): the per-tensor path of summarize_many over a model's parameters,
 // where a Tensor copy is two atomic reference-count updates per tensor per call.

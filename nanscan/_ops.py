@@ -117,13 +117,32 @@ def _fake_summarize(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(RECORD_SIZE, dtype=torch.float64)
 
 
-def _fake_summarize_many(xs: list) -> torch.Tensor:
+def one_device(xs, op: str, what: str = "xs"):
+    """The one device of the tensors ``xs`` (None for an empty list); ValueError naming the first
+    tensor on another device. A list is read by one device's kernels, and the dispatcher picks
+    one device's kernel for the whole list (cpu + meta goes to the meta kernel, which has no
+    values to read; cpu + cuda to the CUDA kernel): so every op refuses a mixed list itself."""
+    device = None
+    for i, x in enumerate(xs):
+        if device is None:
+            device = x.device
+        elif x.device != device:
+            raise ValueError(f"{op}: all tensors must be on one device, but {what}[{i}] is on {x.device} and "
+                             f"{what}[0] on {device}; summarize each device's tensors in a call of their own")
+    return device
+
+
+def _fake_summarize_many(xs: list, op: str = "nanscan.summarize_many") -> torch.Tensor:
     from nanscan.kernels.reference import normalize_input
 
     for x in xs:
-        normalize_input(x, "nanscan.summarize_many")
-    device = xs[0].device if xs else torch.device("cpu")
+        normalize_input(x, op)
+    device = one_device(xs, op) or torch.device("cpu")
     return torch.empty(len(xs), RECORD_SIZE, dtype=torch.float64, device=device)
+
+
+def _fake_triton_summarize_many(xs: list) -> torch.Tensor:
+    return _fake_summarize_many(xs, "nanscan.triton_summarize_many")
 
 
 def _triton_module(device: torch.device):
@@ -151,15 +170,32 @@ def _fake_stamp_rows(buffer, counter, values, records, first_row, owner, labels)
     """A write into ``buffer`` and ``counter``: nothing to compute for fake tensors. This is the one
     piece of Python that runs when a graph holding the op is traced: the monitor notes there the
     rows' labels, dtypes and static shapes (``STAMP_TRACED``), so its traced hooks need no Python
-    call of their own."""
+    call of their own. Refused as the real kernel refuses: tensors on several devices (here, a meta
+    tensor beside real ones: the dispatcher sent the whole call to this kernel, which writes nothing)."""
+    op = "nanscan.stamp_rows_"
+    one_device([buffer, counter] + ([records] if records is not None else []), op, "[buffer, counter, records]")
+    one_device(values, op, "values")
+    _refuse_meta_beside_real(list(values) + [buffer], op)
     if STAMP_TRACED is not None:
         STAMP_TRACED(owner, first_row, values, labels)
 
 
 def _fake_stamp(values, records, owner, first_row, labels) -> None:
-    """As ``_fake_stamp_rows``."""
+    """As ``_fake_stamp_rows``. ``values`` may be on several devices (model parallelism: the real
+    kernel summarizes each where it lives), but not meta beside real ones."""
+    _refuse_meta_beside_real(list(values) + ([records] if records is not None else []), "nanscan.stamp")
     if STAMP_TRACED is not None:
         STAMP_TRACED(owner, first_row, values, labels)
+
+
+def _refuse_meta_beside_real(tensors: list, op: str) -> None:
+    """ValueError for a meta tensor beside tensors on a real device: the dispatcher routes such a
+    call to the fake kernel, which has no values to read and would write nothing, silently."""
+    kinds = {t.device.type == "meta" for t in tensors}
+    if len(kinds) > 1:
+        devices = sorted({str(t.device) for t in tensors})
+        raise ValueError(f"{op}: a meta tensor (no values) beside tensors on a real device ({', '.join(devices)}); "
+                         "stamp real tensors, or only meta tensors while tracing")
 
 
 def _register_python_kernels() -> None:
@@ -172,7 +208,7 @@ def _register_python_kernels() -> None:
     torch.library.register_fake("nanscan::summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::triton_summarize")(_fake_summarize)
     torch.library.register_fake("nanscan::summarize_many")(_fake_summarize_many)
-    torch.library.register_fake("nanscan::triton_summarize_many")(_fake_summarize_many)
+    torch.library.register_fake("nanscan::triton_summarize_many")(_fake_triton_summarize_many)
     torch.library.register_kernel("nanscan::triton_summarize", ("cuda", "cpu"), _triton_summarize)
     torch.library.register_kernel("nanscan::triton_summarize_many", ("cuda", "cpu"), _triton_summarize_many)
 

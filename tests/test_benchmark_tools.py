@@ -143,3 +143,54 @@ def test_record_ratio_refuses_an_unknown_subject_by_name(capsys):
     with pytest.raises(SystemExit):
         record_ratio.main(["--subjects", "record,median"])
     assert "unknown --subjects ['median']" in capsys.readouterr().err
+
+
+def test_gpu_tests_goes_on_after_a_crash_and_a_hung_test_and_names_them(tmp_path):
+    """benchmarks/gpu_tests.py: a test that kills its process (a segfault in a kernel) or hangs past
+    the per-test limit is reported by name, and the tests after it in the same file still run."""
+    import json
+    import subprocess
+    import sys
+
+    tests = tmp_path / "suite"
+    tests.mkdir()
+    (tests / "test_crash.py").write_text(
+        "import os, signal, time\n"
+        "def test_before():\n    pass\n"
+        "def test_segfault():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "def test_hangs():\n    time.sleep(60)\n"
+        "def test_fails():\n    assert 1 == 2\n"
+        "def test_after():\n    pass\n")
+    (tests / "test_fine.py").write_text("import pytest\ndef test_one():\n    pass\n"
+                                        "@pytest.mark.skip(reason='x')\ndef test_skipped():\n    pass\n")
+    out = tmp_path / "out"
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_tests", str(tests / "test_crash.py"),
+                        str(tests / "test_fine.py"), "--jobs", "2", "--per-test-timeout", "3", "--deadline", "120",
+                        "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1, r.stdout + r.stderr
+    report = json.loads((out / "tests.json").read_text())
+    outcomes = {k.rpartition("::")[2]: v for f in report["files"] for k, v in f["outcomes"].items()}
+    assert outcomes == {"test_before": "passed", "test_segfault": "crashed", "test_hangs": "timed out",
+                        "test_fails": "failed", "test_after": "passed", "test_one": "passed", "test_skipped": "skipped"}
+    crash = next(f for f in report["files"] if f["path"].endswith("test_crash.py"))
+    assert crash["restarts"] == 2 and crash["status"] == "done"
+    md = (out / "tests.md").read_text()
+    assert "- crashed: `" in md and "test_segfault`" in md and "- timed out: `" in md and "test_hangs`" in md
+    log = (out / "tests.log").read_text()  # (every process's output, in order: three for test_crash.py)
+    assert log.count("test_crash.py (start ") == 3 and "FAILED" in log and "test_fails" in log
+    assert "Timeout (" in log  # (faulthandler's stacks of the hung test)
+
+
+def test_gpu_tests_plan_schedules_the_whole_suite_and_says_whether_it_fits(capsys):
+    from benchmarks import gpu_tests
+
+    files = gpu_tests.suite_files()
+    assert files[0] == os.path.join("tests", "test_cuda.py") and len(files) == len(set(files)) > 30
+    assert gpu_tests.main(["--plan", "--jobs", "6", "--deadline", "400"]) == 0
+    assert "fits:" in capsys.readouterr().out
+    assert gpu_tests.main(["--plan", "--jobs", "1", "--deadline", "100"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    rows, makespan = gpu_tests.schedule(["a", "b", "c"], 2)  # (each estimated at DEFAULT_ESTIMATE)
+    d = gpu_tests.DEFAULT_ESTIMATE
+    assert [(s, e) for _, s, e in rows] == [(0, d), (0, d), (d, 2 * d)] and makespan == 2 * d

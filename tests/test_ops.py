@@ -321,3 +321,54 @@ def test_record_kernel_is_the_resolved_kernel_for_every_device_type(monkeypatch)
             assert _ops.record_kernel(backend, x) is _ops.kernels(backend, x.device)[0]
     monkeypatch.setenv("NANSCAN_BACKEND", "reference")
     assert _ops.record_kernel(None, torch.ones(3)) is _ops.kernels("reference", torch.device("cpu"))[0]
+
+
+def _stamp_rows_args(values):
+    return (torch.zeros(4, R + 4, dtype=torch.float64), torch.zeros(1, dtype=torch.float64), values, None, 0, 0, "")
+
+
+# Each op entry with a list of values: how to call it (the ops take one tensor, a list, or a list
+# to stamp). owner 0 names no buffer: stamp then writes nothing, but refuses what it cannot read.
+CALLS = {
+    "summarize": lambda xs: torch.ops.nanscan.summarize(xs[-1]),
+    "summarize_many": lambda xs: torch.ops.nanscan.summarize_many(xs),
+    "triton_summarize": lambda xs: torch.ops.nanscan.triton_summarize(xs[-1]),
+    "triton_summarize_many": lambda xs: torch.ops.nanscan.triton_summarize_many(xs),
+    "stamp_rows_": lambda xs: torch.ops.nanscan.stamp_rows_(*_stamp_rows_args(xs)),
+    "stamp": lambda xs: torch.ops.nanscan.stamp(xs, None, 0, 0, ""),
+}
+
+
+def test_every_op_entry_is_called_by_the_refusal_tests():
+    assert set(CALLS) == set(_ops.OPS)
+
+
+@pytest.mark.parametrize("op_name", ["summarize_many", "triton_summarize_many", "stamp_rows_", "stamp"])
+def test_a_list_on_several_devices_is_refused_by_the_op_itself(op_name):
+    """cpu + meta reaches the fake (meta) kernel, which has no values to read: it must refuse, as the
+    CPU and CUDA kernels refuse cpu + cuda (a GPU test checks that one), never return an
+    uninitialised record or write nothing silently."""
+    call = CALLS[op_name]
+    for xs in ([torch.ones(3), torch.ones(3, device="meta")], [torch.ones(3, device="meta"), torch.ones(3)]):
+        with pytest.raises(ValueError, match="one device|meta tensor \\(no values\\) beside"):
+            call(xs)
+    if op_name != "stamp":  # (stamp summarizes each value where it lives: model parallelism)
+        with pytest.raises(ValueError, match=r"all tensors must be on one device, but (xs|values)\[1\] is on meta"):
+            call([torch.ones(3), torch.ones(3, device="meta")])
+    with pytest.raises(ValueError, match="one device"):
+        nanscan.records([torch.ones(3), torch.ones(3, device="meta")])
+
+
+@pytest.mark.parametrize("op_name", _ops.OPS)
+def test_what_no_kernel_reads_is_refused_by_every_op_with_the_reason(op_name):
+    """Sparse, quantized and nested tensors reach keys no backend implements: each op refuses them
+    itself, naming what was wrong and what is accepted (not the dispatcher's 'could not run')."""
+    dense = torch.eye(3)
+    # (the C++ kernels name a layout as c10 prints it: Sparse, SparseCsr)
+    refused = [(dense.to_sparse(), "layout (torch.sparse_coo|Sparse) is not supported.*supported: float64"),
+               (dense.to_sparse_csr(), "layout (torch.sparse_csr|SparseCsr) is not supported"),
+               (torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), "quantized tensors .* dequantize first"),
+               (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensors are not supported")]
+    for x, message in refused:
+        with pytest.raises(TypeError, match=f"nanscan.{op_name}: {message}"):
+            CALLS[op_name]([torch.ones(2), x])

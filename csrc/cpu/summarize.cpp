@@ -766,6 +766,7 @@ void summarize_into(const Inputs& inputs, double* out) {
 }
 
 Inputs normalize_all(at::TensorList xs, const char* op) {
+  check_one_device(xs, op);
   Inputs inputs;
   inputs.reserve(xs.size());
   for (const at::Tensor& x : xs) {

@@ -358,6 +358,7 @@ at::Tensor summarize_many_cuda(at::TensorList xs) {
   // No tensor, no device: the empty result lives on the CPU. (The dispatcher does not route an
   // empty list here by itself; this covers direct calls.)
   if (n == 0) return at::empty({0, kRecordSize}, at::TensorOptions().dtype(at::kDouble));
+  check_one_device(xs, "nanscan.summarize_many");  // (first: nothing is read from a mixed list)
   // The tensors as the kernels read them: borrowed from xs (which outlives this call) where nothing
   // was converted -- no reference-count traffic per tensor --, owned where normalization made a new
   // tensor (a complex tensor's real view, a resolved negation).

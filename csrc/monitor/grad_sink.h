@@ -31,6 +31,7 @@
 #include "streams.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -144,6 +145,45 @@ struct HostRows {
   c10::SmallVector<double, 0> made_;
 };
 
+// csrc/monitor/stamp_rows.cpp: the host count of the rows an owner's compiled graphs stamped
+// (Note [stamps counted on the host] there).
+using StampCount = std::shared_ptr<std::atomic<int64_t>>;
+StampCount stamp_count(int64_t owner);
+
+// Where eager records fall among a compiled path's stamped rows (Note [stamps counted on the
+// host]): a run-length list of (first record, host count) pairs -- a pair only where the count
+// moved since the last record, so a model with no compiled graph (the count stays 0) adds none.
+class StampMarks {
+ public:
+  void follow(StampCount stamped) { stamped_ = std::move(stamped); }
+
+  // Record `k` (the k-th of its window) is being made.
+  void note(int64_t k) {
+    if (!stamped_) return;
+    const int64_t h = stamped_->load(std::memory_order_relaxed);
+    if (h == last_) return;
+    marks_.push_back(k);
+    marks_.push_back(h);
+    last_ = h;
+  }
+
+  // A window ends: its marks become the taken ones.
+  void take() {
+    taken_.swap(marks_);
+    marks_.clear();
+    last_ = 0;
+  }
+
+  py::bytes taken() const {
+    return py::bytes(reinterpret_cast<const char*>(taken_.data()), taken_.size() * sizeof(int64_t));
+  }
+
+ private:
+  StampCount stamped_;
+  std::vector<int64_t> marks_, taken_;
+  int64_t last_ = 0;
+};
+
 // The largest finite value of a floating dtype (of the real part for complex dtypes); NaN if not floating.
 inline double dtype_max(at::ScalarType dtype) {
   switch (c10::toRealValueType(dtype)) {
@@ -234,8 +274,18 @@ class GradSink {
 
   int64_t generation = 0;
 
+  void follow_stamps(StampCount stamped) {
+    std::lock_guard<std::mutex> lock(mu_);
+    marks_.follow(std::move(stamped));
+  }
+
+  // The marks of the gradients of the last take() (StampMarks), as bytes. (Only take() writes
+  // them, on the reading thread: no lock.)
+  py::bytes taken_marks() const { return marks_.taken(); }
+
   void add(int64_t index, const at::Tensor& grad) {
     std::lock_guard<std::mutex> lock(mu_);
+    marks_.note(meta_.size() + static_cast<int64_t>(pending_index_.size()));
     if (summarized_on_arrival(grad, !summarize_)) {
       flush_pending();  // (batched gradients received before this one: their records come first)
       host_.add(grad);
@@ -274,6 +324,7 @@ class GradSink {
       if (!side_.empty()) side_.join_into_current();  // (the read's stream: this thread's current one)
       records.swap(records_);
       std::swap(*meta, meta_);
+      marks_.take();
       // (The next read receives about as many: no reallocations as they arrive.)
       meta_.grads.reserve(meta->grads.size());
       meta_.dims.reserve(meta->dims.size());
@@ -315,6 +366,7 @@ class GradSink {
   c10::Stream pending_stream_{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};  // (of every pending gradient)
   SideStreams side_;  // (streams other than the reader's that summarized blocks since the last take)
   GradMeta meta_;  // of the gradients received, in order (those pending not yet)
+  StampMarks marks_;
   HostRows host_;  // (at most one of host_ and pending_ holds rows: the records stay in order)
 };
 

@@ -29,10 +29,16 @@
 //       Slot / Block objects; C++ rows appear as make_rows(rows)), their records as a list of
 //       [k, RECORD_SIZE] blocks in order (a read stacks them once, with its other records), and
 //       the Rows of the window
+//     follow_stamps(owner)            mark each entry with owner's host stamp count (Note [stamps
+//       counted on the host], stamp_rows.cpp); taken_marks() -> the last take()'s marks: bytes of
+//       int64 pairs (first entry, count), a pair only where the count moved
 //   Rows: row(entry) -> (kind, info, label, step, phase, dtype, shape, inputs, candidate,
 //       consumers, grad, stale, inputs_changed); frame(f) -> (info, outputs); set_grads(grad_meta, start);
 //       dtype_maxima() -> float64 tensor: each entry's dtype's largest finite value (NaN: not a row);
 //       weight_inputs(info) -> slot entries a parameter gradient of that module depends on
+//   GradSink(batch, bytes, summarize=None): the gradients of module outputs (grad_sink.h);
+//     follow_stamps(owner) / taken_marks() as the Window's, per gradient in the order received
+//   stamp_count(owner), reset_stamp_count(owner), drop_stamp_count(owner): the host count
 //   TensorSet(tensors, summarize=None)  tensors held for the per-step checks (the parameters)
 //     records() -> [n, RECORD_SIZE]; grad_records() -> (records of the grads that exist or None,
 //       None if all exist else their indices); summarize: a Python callable list -> records (None:
@@ -72,6 +78,7 @@ namespace nanscan {
 
 // csrc/monitor/stamp_rows.cpp: the buffer nanscan::stamp writes for a compiled path's owner.
 void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, const c10::optional<at::Tensor>& counter);
+void drop_stamp_count(int64_t owner);
 
 }  // namespace nanscan
 
@@ -82,7 +89,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("summarize") = py::none())
       .def_readwrite("generation", &GradSink::generation)
       .def("__len__", &GradSink::size)
-      .def("take", &GradSink::take);
+      .def("take", &GradSink::take)
+      .def("follow_stamps", [](GradSink& self, int64_t owner) { self.follow_stamps(stamp_count(owner)); },
+           "mark each gradient with owner's host stamp count (Note [stamps counted on the host])")
+      .def("taken_marks", &GradSink::taken_marks);
   py::class_<GradMeta, std::shared_ptr<GradMeta>>(m, "GradMeta")
       .def("index", &GradMeta::index_of)
       .def("stale", &GradMeta::is_stale)
@@ -92,6 +102,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &GradMeta::size);
   m.def("set_stamp_target", &set_stamp_target, py::arg("owner"), py::arg("buffer"), py::arg("counter"),
         "name the buffer and counter nanscan::stamp writes for owner (None: drop it)");
+  m.def("stamp_count", [](int64_t owner) { return stamp_count(owner)->load(); }, py::arg("owner"),
+        "rows stamped for owner since its count was last reset (Note [stamps counted on the host])");
+  m.def("reset_stamp_count", [](int64_t owner) { stamp_count(owner)->store(0); }, py::arg("owner"));
+  m.def("drop_stamp_count", &drop_stamp_count, py::arg("owner"));
   m.def("tap", &tap, "hook tensor.grad_fn: its incoming gradient goes to sink, as slot index");
   py::class_<TensorSet, std::shared_ptr<TensorSet>>(m, "TensorSet")
       .def(py::init<std::vector<at::Tensor>, py::object>(), py::arg("tensors"), py::arg("summarize") = py::none())
@@ -129,6 +143,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_block", &Window::add_block)
       .def("flush", &Window::flush)
       .def("take", &Window::take)
+      .def("follow_stamps", [](Window& self, int64_t owner) { self.follow_stamps(stamp_count(owner)); },
+           "mark each entry with owner's host stamp count (Note [stamps counted on the host])")
+      .def("taken_marks", &Window::taken_marks)
       .def("__len__", &Window::size)
       .def_readonly("generation", &Window::generation);
 

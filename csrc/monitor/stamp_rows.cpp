@@ -37,10 +37,23 @@
 //     = stamp_rows_(buffer[owner], counter[owner], values, records, first_row, owner, labels)
 //   (nothing when no buffer is named for owner: its monitor was closed; values on another device
 //   than the buffer are summarized on theirs and their records copied to the buffer's)
+//
+// Note [stamps counted on the host]: each stamp also adds its number of rows to a host count of
+// the owner's (stamp_count), read by the eager records of the same monitor (window.h, grad_sink.h)
+// as they are made: an eager record made when the host count was h comes after the compiled rows
+// stamped 1..h and before row h + 1 -- the order of eager hooks and compiled graphs in one forward
+// (graph breaks, frames run eagerly), without a sync. It holds while every stamp's host code ran
+// once for its device write (not for a CUDA graph's replay, which writes without the host): the
+// monitor checks that the host count equals the largest sequence number read back, and says
+// "cannot tell" where it does not (nanscan/monitor/read.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "../inputs.h"
+
+#include <atomic>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -56,6 +69,7 @@ void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
     records = *given;
   } else {
     if (values.empty()) return;
+    check_one_device(values, "nanscan.stamp_rows_");
     static auto many = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("nanscan::summarize_many", "")
                            .typed<at::Tensor(at::TensorList)>();
@@ -83,15 +97,41 @@ void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
   counter.add_(n);
 }
 
+using StampCount = std::shared_ptr<std::atomic<int64_t>>;  // Note [stamps counted on the host]
+
 namespace {
+struct Target {
+  at::Tensor buffer, counter;
+  StampCount stamped;
+};
 std::mutex targets_mutex;
-std::unordered_map<int64_t, std::pair<at::Tensor, at::Tensor>> targets;  // owner -> (buffer, counter)
+std::unordered_map<int64_t, Target> targets;  // owner -> where its stamps write
+std::unordered_map<int64_t, StampCount> counts;  // owner -> its host count (kept while its monitor is named or not)
+
+StampCount count_locked(int64_t owner) {
+  StampCount& cell = counts[owner];
+  if (!cell) cell = std::make_shared<std::atomic<int64_t>>(0);
+  return cell;
+}
 }  // namespace
+
+// The host count of owner's stamped rows (Note [stamps counted on the host]); made on first use.
+StampCount stamp_count(int64_t owner) {
+  std::lock_guard<std::mutex> lock(targets_mutex);
+  return count_locked(owner);
+}
+
+// Forget owner's host count (its monitor closed): an eager record that still follows the cell
+// keeps it alive.
+void drop_stamp_count(int64_t owner) {
+  std::lock_guard<std::mutex> lock(targets_mutex);
+  counts.erase(owner);
+}
 
 void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, const c10::optional<at::Tensor>& counter) {
   std::lock_guard<std::mutex> lock(targets_mutex);
   if (buffer.has_value() && buffer->defined() && counter.has_value() && counter->defined()) {
-    targets[owner] = {*buffer, *counter};
+    targets[owner] = {*buffer, *counter, count_locked(owner)};
   } else {
     targets.erase(owner);
   }
@@ -100,12 +140,14 @@ void set_stamp_target(int64_t owner, const c10::optional<at::Tensor>& buffer, co
 void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int64_t owner, int64_t first_row,
            c10::string_view labels) {
   at::Tensor buffer, counter;
+  StampCount stamped;
   {
     std::lock_guard<std::mutex> lock(targets_mutex);
     auto found = targets.find(owner);
     if (found == targets.end()) return;
-    buffer = found->second.first;
-    counter = found->second.second;
+    buffer = found->second.buffer;
+    counter = found->second.counter;
+    stamped = found->second.stamped;
   }
   c10::optional<at::Tensor> given;
   if (records.has_value() && records->defined()) {
@@ -126,6 +168,9 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
     }
   }
   stamp_rows_(buffer, counter, values, given, first_row, owner, labels);
+  // (as many rows as stamp_rows_ wrote: one per value, or per row of the given records)
+  const int64_t n = given.has_value() ? given->size(0) : static_cast<int64_t>(values.size());
+  stamped->fetch_add(n, std::memory_order_relaxed);
 }
 
 }  // namespace nanscan

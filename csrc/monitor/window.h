@@ -30,7 +30,15 @@ class Window {
 
   int64_t size() const { return static_cast<int64_t>(PyList_GET_SIZE(entries_.ptr())); }
 
+  // Mark every entry from now on with the compiled path's host count of `stamped` (Note [stamps
+  // counted on the host], stamp_rows.cpp).
+  void follow_stamps(StampCount stamped) { marks_.follow(std::move(stamped)); }
+
+  // The marks of the entries of the last take(): int64 pairs (first entry, host count), as bytes.
+  py::bytes taken_marks() const { return marks_.taken(); }
+
   int64_t add_py(const at::Tensor& t, py::object slot) {
+    marks_.note(size());
     const bool now = before_add(t);
     entries_.append(std::move(slot));
     rows_.row_of.push_back(-1);
@@ -38,6 +46,7 @@ class Window {
   }
 
   int64_t add_row(const at::Tensor& t, const Row& row) {
+    marks_.note(size());
     const bool now = before_add(t);
     entries_.append(marker_);
     rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
@@ -47,6 +56,7 @@ class Window {
 
   void add_block(const at::Tensor& records, py::object block, int64_t n) {
     if (n <= 0) return;
+    marks_.note(size());
     flush();
     host_.seal_into(blocks_);  // (the records before the block's, in order)
     block.attr("start") = size();
@@ -91,6 +101,7 @@ class Window {
     if (!side_.empty()) side_.join_into_current();  // (the read's stream: the current one now)
     py::list entries = entries_;
     entries_ = py::list();
+    marks_.take();
     auto rows = std::make_shared<Rows>(std::move(rows_));
     rows_ = Rows();
     rows_.reserve_like(*rows, n_infos_);
@@ -178,6 +189,7 @@ class Window {
     return entry;
   }
 
+  StampMarks marks_;
   py::object marker_, make_rows_, summarize_, on_stale_;
   int64_t n_infos_, batch_, batch_bytes_;
   bool default_kernels_;

@@ -41,6 +41,8 @@ from typing import Optional
 import torch
 import torch.utils._pytree as pytree
 
+from nanscan.monitor.torch_hooks import run_eagerly_as_frame
+
 ROOT = "(model)"
 
 # The hooks' "is this call being traced?" is torch.compiler.is_compiling() written out:
@@ -48,26 +50,6 @@ ROOT = "(model)"
 # is_compiling makes two) or the flag torch.export's non-strict tracing sets. Every hook asks it on
 # every module call.
 _dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
-
-
-def _run_eagerly_as_frame(fn):
-    """Have dynamo run ``fn`` -- and everything it calls -- eagerly whenever ``fn`` is a frame of its
-    own, while still inlining it where it is called from code dynamo traces.
-
-    Why: ``torch.compile(model)`` calls the root module's hooks outside the compiled forward, each
-    as a frame of its own, so a root hook that dynamo compiles adds a graph (3 graphs where the
-    unwatched model has 1; default and ``fullgraph=True`` alike). Run eagerly there, the root hooks
-    do the eager bookkeeping (the step, the batch) at no graph cost. Where the root is called from
-    inside a compiled function (a compiled training step), its hooks are inlined and take the
-    compiled path like every other module's. Where this torch has no per-code execution strategy,
-    nothing changes (an extra graph, the same answers)."""
-    try:
-        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-
-        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
-    except Exception:  # pragma: no cover - older torch
-        pass
-    return fn
 
 
 class ModuleInfo:
@@ -159,18 +141,6 @@ def _bound(fn, token):
     return types.MethodType(fn, token)
 
 
-def _root_hooks(pre, post):
-    """The root's hooks as functions with code objects of their own (see _run_eagerly_as_frame)."""
-
-    def root_pre_hook(token, module, args, kwargs):
-        return pre(token, module, args, kwargs)
-
-    def root_post_hook(token, module, args, kwargs, output):
-        return post(token, module, args, kwargs, output)
-
-    return _run_eagerly_as_frame(root_pre_hook), _run_eagerly_as_frame(root_post_hook)
-
-
 # Values that hold no tensor: an output made of them needs no walk (and is not "cannot tell").
 _LEAVES = (bool, int, float, complex, str, bytes, type(None), type(Ellipsis), slice, range, type, enum.Enum,
            torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, types.FunctionType,
@@ -248,8 +218,7 @@ class EagerHooks:
             module, token = info.module(), _HookToken()
             pre, post = self._pre_hook(info), self._post_hook(info)
             self._closures += [(pre, token), (post, token)]
-            if info.is_root:
-                pre, post = _root_hooks(pre, post)
+            pre, post = run_eagerly_as_frame(pre), run_eagerly_as_frame(post)
             if not post_only[info.index]:
                 handles.append(module.register_forward_pre_hook(_bound(pre, token), with_kwargs=True))
                 token.ids.append(handles[-1].id)

@@ -25,13 +25,16 @@ __all__ = ["Findings"]
 
 
 # Note [eager frames beside compiled ones]: under torch.compile(model) the modules' hooks run inside
-# the graphs (traced rows, in production order among themselves) and only the root's run eagerly.
-# A frame that dynamo runs eagerly -- past its recompile limit (a module whose attribute changes at
-# every call), or a frame it skips -- calls the eager hooks of the modules in it, in the same forward:
-# their rows are in the eager window, the compiled ones in the traced rows, and how the two sequences
-# interleave is not recorded. A forward or backward incident of such a step is then named after the
-# first non-finite value in the order the read assumes (eager rows first), which may not be the first
-# that was made: it says so (order_known=False, produced=None) instead of naming a place as certain.
+# the graphs (traced rows, in production order among themselves) or, in a frame that dynamo runs
+# eagerly -- past its recompile limit, after a graph break it cannot resume inside a nested call
+# (transformers' models), the root's hooks always --, as eager hooks, whose rows go into the eager
+# window. Every eager record carries the host's count of compiled rows stamped before it (Note
+# [stamps counted on the host] in csrc/monitor/stamp_rows.cpp), which places it among the compiled
+# rows: one production order, and the same attribution as eager. That count is right only while
+# every stamp's host code ran once for its device write; where the host's total disagrees with the
+# device's (a CUDA graph replayed stamps without the host), how the two sequences interleaved is
+# unknown, and a forward or backward incident of a step with eager module rows beside compiled ones
+# says so (order_known=False, produced=None) instead of naming a place as certain.
 
 
 def _training_order(incident) -> tuple:

@@ -114,6 +114,7 @@ class Monitor(Results):
         self.slots, self.eval_slots, self.grad_sink = reading.window, reading.eval_window, reading.grad_sink
         self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
         self.traced = TracedRows(self, infos, self.tensors.kernels_for)
+        reading.follow_stamps(self.traced.owner)  # (eager records placed among the compiled rows)
         # Where the step is: its only writer (the triggers below tell it what happened).
         self.state = StepState(config.every, on_recording=self.traced.set_recording)
         self._loss_ref = None  # the loss recorded last (check_loss / scaler.scale / backward record it once)

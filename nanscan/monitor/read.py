@@ -12,8 +12,10 @@ production order, whatever their source:
 * :meth:`values` ``(i)`` -- its record as Python floats (decoded only when asked: a consumer asks
   for the few rows it needs);
 * ``bad`` -- the indices of the rows holding a NaN or an Inf;
-* ``position`` -- None when index order is production order, else the key that orders the rows
-  (eager records, then the compiled rows, then the parameter gradients read after the backward);
+* ``position`` -- None when index order is production order, else the key that orders the rows:
+  eager records among the compiled rows by the host's count of stamped rows when each was made
+  (``order_known``: Note [stamps counted on the host] in csrc/monitor/stamp_rows.cpp), else eager
+  records first, then the compiled rows; the parameter gradients read after the backward last;
 * ``step``, ``training`` (False: an eval forward's window), ``final`` (read at close), ``handled``
   (GradScaler skipped this step's update), ``extras`` (loss scale, fused-AMP ``found_inf``, clip
   norm), ``host`` (the hooks' records as one float64 tensor, for vectorized passes).
@@ -23,6 +25,7 @@ warn policy each take a ``Read``; none of them reaches back into the monitor.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Callable, Optional
 
 from nanscan.monitor.readback import Copy
@@ -35,12 +38,13 @@ class Read:
     """A landed read (see the module docstring)."""
 
     __slots__ = ("step", "training", "final", "handled", "slots", "bad", "values", "position", "eager_count",
-                 "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host")
+                 "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host", "order_known")
 
     def __init__(self, *, step: int, slots: list, values: Callable, bad: set, training: bool = True,
                  final: bool = False, handled: bool = False, position: Optional[Callable] = None,
                  eager_count: Optional[int] = None, grad_start: Optional[int] = None, recorded_forward: bool = True,
-                 compiled: bool = False, compiled_ran: bool = False, extras: Optional[dict] = None, host=None):
+                 compiled: bool = False, compiled_ran: bool = False, extras: Optional[dict] = None, host=None,
+                 order_known: bool = True):
         self.step, self.slots, self.values, self.bad = step, slots, values, bad
         self.training, self.final, self.handled = training, final, handled
         self.position = position
@@ -51,6 +55,8 @@ class Read:
         self.compiled_ran = compiled_ran  # ... and compiled graphs wrote some
         self.extras = extras if extras is not None else {}
         self.host = host
+        # How the eager records and the compiled rows interleave is known (always, without compiled rows).
+        self.order_known = order_known
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -74,11 +80,12 @@ class Read:
         if copy.traced is None:
             return cls(slots=slots, values=copy.row, **common)
         offset = len(slots)
-        traced_slots, traced_values, weight_inputs = [], [], {}
+        traced_slots, traced_values, traced_seqs, weight_inputs = [], [], [], {}
         for written in copy.traced:  # (one sub-window per training forward, in order)
-            more, values, inputs = traced.slots(written, step, offset + len(traced_slots))
+            more, values, seqs, inputs = traced.slots(written, step, offset + len(traced_slots))
             traced_slots += more
             traced_values += values
+            traced_seqs += seqs
             for name, indices in inputs.items():
                 weight_inputs.setdefault(name, []).extend(indices)
         if link_compiled_weights:
@@ -92,20 +99,36 @@ class Read:
         def values(i):
             return eager_row(i) if i < offset else traced_values[i - offset]
 
-        # Production order: eager records, the compiled rows, then the parameter gradients
-        # (read after the backward; eager ones are last in index order already).
         grad_start = copy.grad_start if copy.grad_start is not None else offset
+        # The host counted every stamp whose rows were read back: each eager record's count says
+        # where it falls among the compiled rows (Note [stamps counted on the host]).
+        order_known = copy.stamped == max(traced_seqs, default=0)
+        if order_known:
+            starts = [i for i, _ in copy.marks]
+            counts = [count for _, count in copy.marks]
 
-        def position(i):
-            return (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i))
+            def position(i):
+                if i >= offset:  # the compiled row stamped seq-th
+                    return traced_seqs[i - offset], 0, i
+                if i >= grad_start:  # the parameter gradients, read after everything
+                    return float("inf"), 2, i
+                k = bisect.bisect_right(starts, i) - 1  # an eager record: after the rows stamped before it
+                return (counts[k] if k >= 0 else 0), 1, i
+        else:
+            # Production order as far as it is known: eager records, the compiled rows, then the
+            # parameter gradients (read after the backward; eager ones are last in index order already).
+            def position(i):
+                return (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i))
 
-        return cls(slots=all_slots, values=values, position=position, eager_count=offset, **common)
+        return cls(slots=all_slots, values=values, position=position, eager_count=offset, order_known=order_known,
+                   **common)
 
     def steps_mixing_eager_and_compiled(self) -> set:
         """Steps whose training forward recorded, through the eager hooks, rows of modules other than
         the root while compiled rows are in this read too: how the two sequences interleaved is not
-        recorded (Note [eager frames beside compiled ones])."""
-        if not self.compiled:
+        recorded (Note [eager frames beside compiled ones]) -- none when the host's stamp count
+        placed every eager record among the compiled rows."""
+        if not self.compiled or self.order_known:
             return set()
         steps = set()
         for i, s in enumerate(self.slots[:self.eager_count]):

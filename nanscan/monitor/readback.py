@@ -40,6 +40,11 @@ class Copy:
         self.recorded_forward = True  # a training forward was recorded in the window
         self.eval = False  # the read of an eval window (eval forwards), not of a training step
         self.final = False  # read at close: what is left of a step that may have ended already
+        # Where the eager records fall among the compiled rows: ``[(slot index, host stamp count)]``
+        # from that slot on (where the count moved), and the host's count of stamped rows (Note
+        # [stamps counted on the host] in csrc/monitor/stamp_rows.cpp).
+        self.marks: list = []
+        self.stamped = 0
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,

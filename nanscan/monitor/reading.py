@@ -21,6 +21,14 @@ from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
 __all__ = ["Reading"]
 
 
+def _pairs(marks: bytes) -> list:
+    """``[(index, host stamp count)]`` from a window's or the gradient sink's ``taken_marks()``."""
+    if not marks:
+        return []
+    flat = memoryview(marks).cast("q").tolist()
+    return list(zip(flat[0::2], flat[1::2]))
+
+
 class Reading:
     """The read windows of one monitor, and what a read gathers from them."""
 
@@ -41,6 +49,14 @@ class Reading:
         # total norms clip_grad_norm_ returned since the last read (Note [grad norm before clipping])
         self.clip_norms: list = []
         self.clip_unknown = False  # clipped by a norm other than L2 since the last read
+
+    def follow_stamps(self, owner: int) -> None:
+        """Mark the training window's entries and the gradients with the compiled path's host count
+        of ``owner``'s stamps: where they fall among its rows (Note [stamps counted on the host] in
+        csrc/monitor/stamp_rows.cpp)."""
+        self.window.follow_stamps(owner)
+        if self.grad_sink is not None:
+            self.grad_sink.follow_stamps(owner)
 
     def backward_seen(self) -> bool:
         """A gradient of a module output was received since the last read."""
@@ -68,12 +84,14 @@ class Reading:
         reads of a step that ended already); so does ``found_inf``; ``handled``: GradScaler skipped
         the update."""
         slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
+        marks = _pairs(self.window.taken_marks())  # (entry, host stamp count) where the count moved
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
             records, meta = self.grad_sink.take()
             n = len(meta)
             if n:
                 block = GradBlock(step, slots, meta)
                 block.start = len(slots)
+                marks += [(block.start + k, count) for k, count in _pairs(self.grad_sink.taken_marks())]
                 if eager_rows is not None:
                     eager_rows.rows.set_grads(meta, block.start)
                 slots = slots + [block] * n
@@ -109,6 +127,7 @@ class Reading:
         copy.recorded_forward = recorded_forward
         copy.final = final
         copy.grad_start = grad_start
+        copy.marks, copy.stamped = marks, traced.stamped()
         traced.reset()
         return copy
 

@@ -105,6 +105,34 @@ def _install_clip_hook() -> None:
     torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
 
 
+def run_eagerly_as_frame(fn):
+    """Have dynamo run ``fn`` -- and everything it calls -- eagerly whenever ``fn`` is a frame of its
+    own, while still inlining it where it is called from code dynamo traces. Returns ``fn``.
+
+    Why: nanscan's hooks are called by torch, and dynamo compiles every Python frame it is not told
+    to skip. A module's forward hooks are frames of their own wherever ``Module._call_impl`` runs
+    eagerly: the root's
+    under ``torch.compile(model)``, and every module's in a forward that dynamo runs eagerly in part
+    (a graph break it cannot resume inside a nested call -- transformers' models have several --,
+    a frame past its recompile limit). Compiled there, a hook would be a graph of its own per
+    module: recompiled at every module (it guards on the module's row) until dynamo's recompile
+    limit, writing its rows from graphs whose notes describe one hook, not the module's forward --
+    and the attribution named the wrong module. Run eagerly, a hook there is the eager hook: its
+    records go into the eager window, placed among the compiled rows by the host's stamp count
+    (Note [stamps counted on the host] in csrc/monitor/stamp_rows.cpp). Inlined into a graph that
+    dynamo traces (a module called from compiled code), it takes the compiled path. The module
+    registration hook (a model that sets a module in its forward) is host bookkeeping: never a
+    graph either. (One call per code object is enough; closures share theirs.) Where this torch has
+    no per-code execution strategy, nothing changes."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    except Exception:  # pragma: no cover - older torch
+        pass
+    return fn
+
+
 # Note [modules changed after watch]: the hooks are installed on the modules the model had at watch.
 # A module set later (a head replaced for fine-tuning, with ``optimizer.add_param_group``) has none:
 # what it makes reaches its parent as a value nanscan never saw made, which the parent would be
@@ -119,6 +147,7 @@ def _install_module_hook() -> None:
     if _module_hook_handle is not None:
         return
 
+    @run_eagerly_as_frame
     def module_registered(parent, name, child):
         if WATCHED:
             _tell("noting a module set after watch", lambda monitor: monitor._module_registered(parent, name, child))

@@ -312,6 +312,7 @@ class TracedRows:
         if self.buffer is not None:
             self.monitor._extension.set_stamp_target(self.owner, None, None)
         LIVE.pop(self.owner, None)  # (its graphs, if they run again, note nothing)
+        self.monitor._extension.drop_stamp_count(self.owner)
         self.notes = TraceNotes()
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
@@ -483,18 +484,24 @@ class TracedRows:
         if self.used:
             self.buffer[:, SEQ:WRITES + 1].zero_()
             self.counter.zero_()
+        self.monitor._extension.reset_stamp_count(self.owner)  # (the host's count of the same stamps)
+
+    def stamped(self) -> int:
+        """Rows stamped since the last :meth:`reset`, counted on the host (Note [stamps counted on
+        the host] in csrc/monitor/stamp_rows.cpp)."""
+        return self.monitor._extension.stamp_count(self.owner)
 
     def slots(self, written: list, step: int, offset: int = 0, phase: str = "forward"):
-        """Slots and record values of the rows written in this window (``[(row, values)]``), in
-        execution order, and per module name the indices of the slots its weights' gradients
-        depend on (its forward inputs and the gradients of its outputs). The slots will sit at
+        """Slots, record values and sequence numbers of the rows written in this window
+        (``[(row, values)]``), in execution order, and per module name the indices of the slots its
+        weights' gradients depend on (its forward inputs and the gradients of its outputs). The slots will sit at
         ``offset`` onwards in the window's slot list: the indices they hold count from there.
 
         With gradient hooks, the gradient flowing into an output is linked to that output
         (``grad_of`` / ``grad``) and the output to the modules that took it as an input
         (``consumers``, noted while the graph was traced): attribution then names the gradient
         after its consumer, as in eager."""
-        slots, records, index_of_row, weight_inputs = [], [], {}, {}
+        slots, records, seqs, index_of_row, weight_inputs = [], [], [], {}, {}
         notes = self.notes
         for row, v in sorted(written, key=lambda rv: rv[1][SEQ]):
             if row >= len(self.rows):
@@ -516,11 +523,12 @@ class TracedRows:
                 weight_inputs.setdefault(r.module.name, []).append(offset + len(slots))
             slots.append(slot)
             records.append(v[:RECORD_SIZE])
+            seqs.append(int(v[SEQ]))
         ran = self._traces_that_ran(index_of_row)
         self._name_inputs_of_overwritten_outputs(slots, records, offset, index_of_row, ran)
         if self.grad_hooks:
             self._link_grads(slots, offset, index_of_row, ran)
-        return slots, records, weight_inputs
+        return slots, records, seqs, weight_inputs
 
     def _name_inputs_of_overwritten_outputs(self, slots: list, records: list, offset: int, index_of_row: dict,
                                             ran: set) -> None:
