@@ -40,10 +40,10 @@ ORDER = ["test_cuda.py", "test_summarize.py", "test_ops.py", "test_triton.py", "
          "test_compiled_real_models.py", "test_real_models.py", "test_monitor.py", "test_monitor_loops.py",
          "test_large.py", "test_capture.py", "test_replay.py", "test_skip.py", "test_headroom.py"]
 
-# Seconds per file: measured on the 2-core CI machine (torch 2.14, no GPU: `python -m
-# benchmarks.gpu_tests --jobs 1`, its tests.json), rounded up. On the GPU machine each file adds
-# its CUDA cases and runs on a faster host; the plan uses these as they are. A file not listed is
-# estimated at DEFAULT_ESTIMATE.
+# Seconds per file on the GPU machine, for --plan: upper guesses from the CPU suite (about 15 minutes
+# on the 2-core CI machine, most of it the compiled-model files) plus each file's CUDA cases -- not
+# yet measured there. The first run's tests.json has every file's seconds: replace these with them.
+# A file not listed is estimated at DEFAULT_ESTIMATE.
 ESTIMATES = {
     "test_cuda.py": 30, "test_summarize.py": 120, "test_ops.py": 60, "test_triton.py": 60,
     "test_monitor_compiled.py": 240, "test_compiled_real_models.py": 240, "test_real_models.py": 60,
