@@ -57,9 +57,10 @@ test-compat:
 	$(COMPAT_VENV)/bin/python -m pip install --upgrade "pip>=23" setuptools wheel
 	$(COMPAT_VENV)/bin/python -m pip install "torch==$(COMPAT_TORCH)" numpy pytest pytest-benchmark matplotlib ninja \
 		"tensorboard==2.21.0"
-	# the GPU machine's transformers, and timm, for the real-model tests (tests/test_compiled_real_models.py,
-	# tests/test_real_models.py) on this torch too
-	$(COMPAT_VENV)/bin/python -m pip install "torchvision==$(COMPAT_TORCHVISION)" "transformers==5.17.0" "timm==1.0.31"
+	# the GPU machine's transformers and accelerate, and timm: the real-model and HF Trainer tests
+	# (tests/test_compiled_real_models.py, test_real_models.py, test_integrations.py) on this torch too
+	$(COMPAT_VENV)/bin/python -m pip install "torchvision==$(COMPAT_TORCHVISION)" "transformers==5.17.0" "timm==1.0.31" \
+		"accelerate==1.15.0"
 	TORCH_CUDA_ARCH_LIST="9.0" $(COMPAT_VENV)/bin/python -m pip install --no-build-isolation --no-deps -e .  # (sm_90: the H200)
 	$(COMPAT_VENV)/bin/python -m nanscan info
 	$(COMPAT_VENV)/bin/python -m pytest -q tests
