@@ -34,7 +34,9 @@ __all__ = ["Findings"]
 # every stamp's host code ran once for its device write; where the host's total disagrees with the
 # device's (a CUDA graph replayed stamps without the host), how the two sequences interleaved is
 # unknown, and a forward or backward incident of a step with eager module rows beside compiled ones
-# says so (order_known=False, produced=None) instead of naming a place as certain.
+# says so (order_known=False, produced=None) instead of naming a place as certain. So does a backward
+# incident of such a step where the compiled graphs record no gradients (torch 2.11 with the default
+# compiled_grads="hooks"): a gradient made inside a graph is then among no rows at all.
 
 
 def _training_order(incident) -> tuple:
@@ -57,10 +59,10 @@ class Findings:
                                 reduced_grads=distributed.active(),
                                 handled_step=read.step if read.handled else None, position=read.position)
         if found and read.compiled:
-            mixed = read.steps_mixing_eager_and_compiled()
-            if mixed:  # Note [eager frames beside compiled ones]
+            mixed = {phase: read.steps_mixing_eager_and_compiled(phase) for phase in ("forward", "backward")}
+            if mixed["forward"] or mixed["backward"]:  # Note [eager frames beside compiled ones]
                 found = [dataclasses.replace(inc, produced=None, inputs=(), order_known=False)
-                         if inc.step in mixed and inc.phase in ("forward", "backward") else inc for inc in found]
+                         if inc.phase in mixed and inc.step in mixed[inc.phase] else inc for inc in found]
         if read.training:
             found = [inc for inc in found if (inc.step, inc.phase) not in self._keys]
         if read.bad:

@@ -38,7 +38,8 @@ class Read:
     """A landed read (see the module docstring)."""
 
     __slots__ = ("step", "training", "final", "handled", "slots", "bad", "values", "position", "eager_count",
-                 "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host", "order_known")
+                 "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host", "order_known",
+                 "grads_in_graphs")
 
     def __init__(self, *, step: int, slots: list, values: Callable, bad: set, training: bool = True,
                  final: bool = False, handled: bool = False, position: Optional[Callable] = None,
@@ -57,6 +58,7 @@ class Read:
         self.host = host
         # How the eager records and the compiled rows interleave is known (always, without compiled rows).
         self.order_known = order_known
+        self.grads_in_graphs = False  # compiled graphs record the gradients of their modules (set by land)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -120,15 +122,18 @@ class Read:
             def position(i):
                 return (1, i) if i >= offset else ((2, i) if i >= grad_start else (0, i))
 
-        return cls(slots=all_slots, values=values, position=position, eager_count=offset, order_known=order_known,
+        read = cls(slots=all_slots, values=values, position=position, eager_count=offset, order_known=order_known,
                    **common)
+        read.grads_in_graphs = link_compiled_weights
+        return read
 
-    def steps_mixing_eager_and_compiled(self) -> set:
+    def steps_mixing_eager_and_compiled(self, phase: str = "forward") -> set:
         """Steps whose training forward recorded, through the eager hooks, rows of modules other than
         the root while compiled rows are in this read too: how the two sequences interleaved is not
         recorded (Note [eager frames beside compiled ones]) -- none when the host's stamp count
-        placed every eager record among the compiled rows."""
-        if not self.compiled or self.order_known:
+        placed every eager record among the compiled rows (in the backward, only where the compiled
+        graphs record gradients too: else a gradient they made is not among the rows at all)."""
+        if not self.compiled or (self.order_known and (phase == "forward" or self.grads_in_graphs)):
             return set()
         steps = set()
         for i, s in enumerate(self.slots[:self.eager_count]):
