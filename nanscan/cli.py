@@ -20,7 +20,8 @@ input, one line on stderr; 3 nothing could be checked. Per command:
   is printed: a ``--model`` that does not fit the bundle?).
 - ``info``: 1 the compiled library did not load.
 - every command: 2 a path that is missing or is not what the command reads, a tampered bundle, a bad
-  ``--model`` or ``--backend``, an output that cannot be written, a bad option."""
+  ``--model`` or ``--backend`` (for ``replay``, a ``--model`` whose state dict does not fit the
+  bundle's: the line names the keys), an output that cannot be written, a bad option."""
 from __future__ import annotations
 
 import argparse
@@ -184,8 +185,14 @@ def _main(argv=None) -> int:
         return EXIT_OK
     model, forward = load_factory(args.model)
     if args.command == "replay":
-        result = replay(bundle, model, forward=forward, precision="fp32" if args.fp32 else None,
-                        compile_backend=args.backend, anomaly=args.anomaly, allow=tuple(args.allow))
+        from nanscan.capture.replay import ModelMismatchError
+
+        try:
+            result = replay(bundle, model, forward=forward, precision="fp32" if args.fp32 else None,
+                            compile_backend=args.backend, anomaly=args.anomaly, allow=tuple(args.allow))
+        except ModelMismatchError as e:  # bad input, not a finding: a traceback's exit 1 reads as "reproduced"
+            raise UsageError(f"--model {args.model} does not build the model this bundle was captured from: "
+                             f"{e.detail}") from None
         print(result)
         return EXIT_FINDING if result.reproduced else EXIT_OK
     results = bisect_backends(bundle, model, forward=forward)

@@ -212,16 +212,34 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
+def _make_parent_directories(path: pathlib.Path) -> None:
+    """Create the missing directories above ``path``. One of them that exists as a file is a
+    ``NotADirectoryError`` naming it: mkdir's own error names only the directory it tried to make
+    ("File exists: 'runs'" for ``runs/events.jsonl`` where ``runs`` is a file), and a warning that
+    shows the error's repr loses even that."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        in_the_way = next((p for p in path.parents if os.path.lexists(p) and not p.is_dir()), None)
+        if in_the_way is None:  # (not a file in the way after all: mkdir's error is the better one)
+            raise
+        what = "is a file, not a directory" if in_the_way.is_file() else "exists and is not a directory"
+        raise NotADirectoryError(f"nanscan EventLog: cannot create {path}: {in_the_way} {what}; give a path "
+                                 "under a directory (missing directories are created)") from None
+
+
 class EventLog:
     """Append-only JSONL event log of one rank (format: module docstring).
 
     ``rank=None`` takes ``torch.distributed.get_rank()`` when initialized, else 0. The file is
     ``path`` itself in a single-process run (world size 1 and rank 0); otherwise each rank writes its
     own ``<stem>.rank<R><suffix>`` (``.jsonl`` if ``path`` has no suffix) next to ``path``, rank 0
-    included -- ``self.path`` is the file actually written. Parent directories are created. Each line
-    is encoded before anything is written (an unencodable field is a ``TypeError`` and leaves the file
-    untouched) and written with one ``write``; ``step``/``event`` flush, ``incident`` and ``close``
-    flush and ``os.fsync``. A failed write raises its ``OSError``: the log never swallows it
+    included -- ``self.path`` is the file actually written. Missing parent directories are created; a
+    parent that is a file (``NotADirectoryError``, naming it) or a ``path`` that is a directory
+    (``IsADirectoryError``) is refused here, before any step. Each line is encoded before anything is
+    written (an unencodable field is a ``TypeError`` and leaves the file untouched) and written with
+    one ``write``; ``step``/``event`` flush, ``incident`` and ``close`` flush and ``os.fsync``. A
+    failed write raises its ``OSError``: the log never swallows it
     (``nanscan.guard`` attaches it to the training error it was recording).
     """
 
@@ -237,7 +255,10 @@ class EventLog:
             path = path.with_name(f"{path.stem}.rank{self.rank}{path.suffix or '.jsonl'}")
         self.path = path
         self._lock = threading.Lock()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_parent_directories(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"nanscan EventLog: {path} is a directory; give a file path "
+                                    f"(such as {path / 'events.jsonl'})")
         torn = False  # a torn last line (crash mid-write) must not swallow our header
         if path.is_file() and path.stat().st_size > 0:
             with open(path, "rb") as f:

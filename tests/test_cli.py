@@ -186,6 +186,25 @@ def test_replay_and_bisect_argument_errors_are_one_line(tmp_path, capsys):
                    "(see nanscan replay --help)\n")
 
 
+def test_replay_with_a_model_that_does_not_fit_the_bundle_is_one_line_exit_2(tmp_path, capsys):
+    """A layer added or widened in the factory exited 1 -- "reproduced" -- with load_state_dict's traceback."""
+    import torch
+
+    from tests.test_replay import two_layers
+
+    bundle = nanscan.capture_bundle(str(tmp_path / "b"), model=two_layers(), batch=torch.randn(3, 4))
+    start = "nanscan: error: --model tests.test_replay:{} does not build the model this bundle was captured from: "
+    err = one_line_error(capsys, ["replay", bundle, "--model", "tests.test_replay:a_layer_added"])
+    assert err == start.format("a_layer_added") + ("missing keys (in the model, not in the bundle): added.0.weight, "
+                                                   "added.0.bias\n")
+    err = one_line_error(capsys, ["replay", bundle, "--model", "tests.test_replay:widened"])
+    assert err == start.format("widened") + ("shape mismatches: fc1.weight (bundle [8, 4], model [16, 4]), fc1.bias "
+                                             "(bundle [8], model [16]), fc2.weight (bundle [2, 8], model [2, 16])\n")
+    err = one_line_error(capsys, ["replay", bundle, "--model", "tests.test_replay:three_layers_added"])
+    assert err.endswith("added.0.weight, added.0.bias, added.1.weight, added.1.bias and 2 more\n"), err
+    assert capsys.readouterr().out == ""  # no replay line: nothing was run
+
+
 def test_exit_codes_are_documented_once(capsys):
     """One table (cli.EXIT_CODES): the --help epilog prints it, docs/cli.md lists the same codes."""
     assert sorted(cli.EXIT_CODES) == [0, 1, 2, 3]

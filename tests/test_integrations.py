@@ -164,9 +164,9 @@ def test_hf_trainer_survives_a_nonfinite_step_with_skip_and_keeps_the_bundle(tmp
         run.train()
     mon = callback.last_monitor
     assert mon.ledger.skipped_steps == [1] and mon.ledger.applied == 2
-    # (the NaN comes from a forward hook added after watch's: c_fc's own output was finite, and the
-    # NaN is first seen inside its parent's forward)
-    assert mon.incident.step == 1 and mon.incident.name.startswith("transformer.h.0.mlp")
+    # The NaN comes from a forward hook added after watch's: c_fc's output was finite when nanscan read
+    # it, so the value was produced inside the MLP's forward, by none of its watched children.
+    assert (mon.incident.step, mon.incident.name, mon.incident.produced) == (1, "transformer.h.0.mlp", True)
     assert mon.bundle_path is not None and "step000001" in mon.bundle_path
     assert run.state.global_step == 3  # the Trainer counts the skipped step as taken (its batch is consumed)
     assert all(torch.isfinite(p).all() for p in run.model.parameters())

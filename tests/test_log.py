@@ -261,6 +261,36 @@ def test_event_log_rank_files(tmp_path):
         assert other.path == tmp_path / "plain.rank1.jsonl"
 
 
+def test_a_log_under_a_file_names_that_file(tmp_path):
+    # mkdir's own error named only the directory it tried to make: "File exists: '.../notes.txt'"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    for path in (notes / "events.jsonl", notes / "deeper" / "events.jsonl"):
+        with pytest.raises(NotADirectoryError) as error:
+            log.EventLog(path)
+        assert str(error.value) == (f"nanscan EventLog: cannot create {path}: {notes} is a file, not a directory; "
+                                    "give a path under a directory (missing directories are created)")
+    assert notes.read_text() == "x"
+
+
+def test_a_log_at_a_directory_asks_for_a_file_name(tmp_path):
+    with pytest.raises(IsADirectoryError) as error:
+        log.EventLog(tmp_path)
+    assert str(error.value) == (f"nanscan EventLog: {tmp_path} is a directory; give a file path "
+                                f"(such as {tmp_path / 'events.jsonl'})")
+
+
+def test_watch_with_a_log_under_a_file_warns_naming_it_and_trains_on(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    model = torch.nn.Linear(3, 1)
+    with pytest.warns(RuntimeWarning, match=rf"could not be written.*{notes} is a file, not a directory"):
+        mon = nanscan.watch(model, log=str(notes / "events.jsonl"))
+    with mon:
+        model(torch.ones(2, 3)).sum().backward()
+    assert notes.read_text() == "x"
+
+
 def test_write_errors_are_raised(tmp_path, monkeypatch):
     ev = log.EventLog(tmp_path / "e.jsonl")
 

@@ -198,8 +198,9 @@ def test_a_parent_body_that_changes_a_value_in_place_is_still_named():
 
     eager, compiled = eager_and_compiled(BodyMutatesNet, 3, plant, dict(backend="aot_eager", fullgraph=True))
     assert eager is not None and compiled is not None
-    assert compiled.name == eager.name and compiled.step == eager.step == 1 and compiled.phase == "forward"
-    assert compiled.produced in (eager.produced, None)
+    # The parent's NaN reaches the poison's input after the stamp of the embed's output saw it finite:
+    # both name the poison, and neither can say who produced the value.
+    assert key(eager) == key(compiled) == (1, "forward", "poison", "activation", None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -239,6 +239,55 @@ def test_cannot_tell_apart_origins_that_only_fail_together(tmp_path):
     assert (both.first_op, both.module, both.inputs_finite) == ("aten.exp.default", "a", True), str(both)
 
 
+class TwoLayers(nn.Module):
+    """A bundle's model, and (``--model tests.test_replay:<factory>``) the ways a factory drifts from it."""
+
+    def __init__(self, hidden: int = 8, added: int = 0):
+        super().__init__()
+        self.fc1 = nn.Linear(4, hidden)
+        self.fc2 = nn.Linear(hidden, 2)
+        self.added = nn.Sequential(*(nn.Linear(2, 2) for _ in range(added)))
+
+    def forward(self, x):
+        return self.added(self.fc2(torch.relu(self.fc1(x)))).sum()
+
+
+def two_layers():
+    return TwoLayers()
+
+
+def a_layer_added():
+    return TwoLayers(added=1)
+
+
+def three_layers_added():
+    return TwoLayers(added=3)
+
+
+def widened():
+    return TwoLayers(hidden=16)
+
+
+def test_a_model_that_does_not_fit_the_bundle_names_the_keys(tmp_path):
+    # load_state_dict's RuntimeError came out as it was: a traceback, which the CLI exited 1 on ("reproduced")
+    path = nanscan.capture_bundle(str(tmp_path / "b"), model=two_layers(), batch=torch.randn(3, 4))
+    start = "nanscan.replay: the model does not fit the bundle's saved state (is it built the way the captured " \
+            "model was?): "
+    with pytest.raises(ValueError) as added:
+        nanscan.replay(path, a_layer_added())
+    assert str(added.value) == start + "missing keys (in the model, not in the bundle): added.0.weight, added.0.bias"
+    with pytest.raises(ValueError) as wide:
+        nanscan.replay(path, widened())
+    assert str(wide.value) == start + ("shape mismatches: fc1.weight (bundle [8, 4], model [16, 4]), fc1.bias "
+                                       "(bundle [8], model [16]), fc2.weight (bundle [2, 8], model [2, 16])")
+    with pytest.raises(ValueError) as removed:  # a bundle holding more than the model: unexpected keys
+        nanscan.replay(nanscan.capture_bundle(str(tmp_path / "big"), model=three_layers_added(),
+                                              batch=torch.randn(3, 4)), two_layers())
+    assert str(removed.value) == start + ("unexpected keys (in the bundle, not in the model): added.0.weight, "
+                                          "added.0.bias, added.1.weight, added.1.bias and 2 more")
+    assert not nanscan.replay(path, two_layers()).reproduced  # the model it was captured from still fits
+
+
 def test_bisect_says_its_conclusion(tmp_path):
     everywhere = nanscan.capture_bundle(str(tmp_path / "log"), model=M.log_net(), batch=torch.randn(4, 8))
     results = nanscan.bisect_backends(everywhere, M.log_net(), backends=("eager", "aot_eager"))

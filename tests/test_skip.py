@@ -3,6 +3,7 @@ state stay bit-identical to before the step -- its incident, ledger entry and bu
 training goes on; the (N+1)-th non-finite step in a row raises. Plain / foreach / fused optimizers,
 GradScaler, gradient accumulation, optimizer.step(closure), explicit steps, and 2 gloo ranks (DDP,
 FSDP2) that must skip together."""
+import copy
 import os
 import warnings
 
@@ -33,17 +34,21 @@ def _state(model, opt) -> dict:
     out.update({f"buffer/{n}": b.detach().clone() for n, b in model.named_buffers()})
     for i, st in enumerate(opt.state.values()):
         for k, v in st.items():
-            out[f"opt/{i}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            out[f"opt/{i}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
     return out
 
 
 def _assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
+        x, y = a[k], b[k]
+        if isinstance(x, list):  # (LBFGS keeps lists of tensors: old_dirs, old_stps, ro, al)
+            assert len(x) == len(y) and all(torch.equal(u, v) if isinstance(u, torch.Tensor) else u == v
+                                            for u, v in zip(x, y)), k
+        elif isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), k
         else:
-            assert a[k] == b[k], k
+            assert x == y, k
 
 
 def _run(make_opt, bad_steps, steps=5, **options):
@@ -257,3 +262,113 @@ def test_an_incident_with_no_update_pending_is_warned_not_skipped():
     with pytest.warns(RuntimeWarning, match="non-finite output of module '0'"):
         mon.close()
     assert mon.ledger.skipped_steps == [] and mon.skipper.steps == [] and mon.incident.step == 0
+
+
+class TwiceSGD(torch.optim.Optimizer):
+    """An optimizer that calls its closure twice per step and updates the weights in between (as
+    LBFGS's inner iterations do), and that nanscan knows no way to restore. (Its own update, not
+    ``super().step()``: torch runs the optimizer hooks at every patched ``step`` it goes through.)"""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def _update(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    def step(self, closure=None):
+        with torch.enable_grad():
+            closure()
+        self._update()
+        with torch.enable_grad():
+            loss = closure()
+        self._update()
+        return loss
+
+
+def _closure_run(opt_class, bad_call, steps=3, **opt_kwargs):
+    """``steps`` closure steps; the closure's call number ``bad_call`` (counted over the run) sees a
+    NaN batch. Returns the monitor, the states before and after each step."""
+    model = _net()
+    opt = opt_class(model.parameters(), **opt_kwargs)
+    calls, before, after = [0], {}, {}
+
+    def closure():
+        opt.zero_grad()
+        x = _batch(calls[0], calls[0] == bad_call)
+        calls[0] += 1
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with nanscan.watch(model, opt, on_nonfinite="skip") as mon, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            before[step] = _state(model, opt)
+            opt.step(closure)
+            after[step] = _state(model, opt)
+    return mon, before, after
+
+
+def test_lbfgs_nonfinite_at_a_later_closure_call_restores_the_weights_from_before_the_step():
+    # LBFGS(max_iter=4) calls the closure up to 5 times a step; call 7 is the second step's third
+    mon, before, after = _closure_run(torch.optim.LBFGS, bad_call=7, lr=0.1, max_iter=4)
+    assert mon.ledger.skipped_steps == [1] and mon.incident.step == 1
+    _assert_same(before[1], after[1])  # weights, BatchNorm statistics and LBFGS's state (d, t, old_dirs...)
+    assert not torch.equal(before[2]["param/0.weight"], after[2]["param/0.weight"])  # the next step trains
+
+
+def test_a_closure_optimizer_that_changed_the_weights_before_the_nonfinite_call_raises_not_skips():
+    with pytest.raises(nanscan.NonFiniteError) as raised:
+        _closure_run(TwiceSGD, bad_call=3, lr=0.05)  # step 1's second call, after step 1's first update
+    assert raised.value.incident.step == 1
+    assert any("called the closure 2 times" in n for n in raised.value.__notes__)
+    # its first call is before any update: skipped as usual
+    mon, before, after = _closure_run(TwiceSGD, bad_call=2, lr=0.05)
+    assert mon.ledger.skipped_steps == [1]
+    _assert_same(before[1], after[1])
+
+
+def test_trainable_parameters_outside_the_watched_optimizer_are_refused_at_watch():
+    model = _net()
+    body = torch.optim.SGD(model[:3].parameters(), lr=0.05)
+    torch.optim.SGD(model[3].parameters(), lr=0.05)  # the head's own optimizer, which skip cannot cancel
+    with pytest.raises(ValueError, match=r"2 trainable parameter\(s\).*'3.weight', '3.bias'.*watched optimizer"):
+        nanscan.watch(model, body, on_nonfinite="skip")
+    model[3].requires_grad_(False)  # a frozen head needs no protection
+    nanscan.watch(model, body, on_nonfinite="skip").close()
+
+
+def test_skip_with_every_warns_at_watch_and_raises_on_weights_an_unchecked_step_broke():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.warns(RuntimeWarning, match="every=4 protects the checked steps only"):
+        mon = nanscan.watch(model, opt, on_nonfinite="skip", every=4)
+    with pytest.raises(nanscan.NonFiniteError) as raised:
+        for step in range(8):
+            model(_batch(step, step == 1)).pow(2).mean().backward()  # step 1: not checked, applied
+            opt.step()
+            opt.zero_grad()
+    assert raised.value.incident.step == 4 and mon.skipper.steps == []  # (raised: not skipped)
+    assert any("already non-finite before step 4's update" in n and "'0.weight'" not in n and "0.weight" in n
+               for n in raised.value.__notes__)
+    mon.close()
+
+
+def test_an_update_that_overflows_the_weights_is_raised_as_that_steps_update_incident():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(nanscan.NonFiniteError) as raised, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "skipped" warning either)
+        with nanscan.watch(model, opt, on_nonfinite="skip") as mon:
+            for step in range(6):
+                opt.param_groups[0]["lr"] = 1e37 if step == 2 else 0.05
+                (model(_batch(step)).pow(2).mean() * 100).backward()
+                opt.step()
+                opt.zero_grad()
+    incident = raised.value.incident
+    assert (incident.step, incident.phase, incident.kind) == (2, "update", "param")
+    assert mon.skipper.steps == [] and any("applied already" in n for n in raised.value.__notes__)

@@ -1,7 +1,9 @@
 """watch(..., spikes=True): a loss spike is named at the module where it started -- a weight scaled
 x30 in one Linear of a small transformer at step 40 -- and clean runs (GPT-style and a CNN with
-BatchNorm, 200+ steps) give no spike event at the default thresholds. The baselines themselves:
-unit tests on SpikeWatch's step side."""
+BatchNorm, 200+ steps) give no spike event at the default thresholds; nor does a classifier trained
+to near 0 in batches of 4, where one hard example is a hundredfold jump (issue #43), while labels
+flipped in one of its batches are a spike. The baselines themselves: unit tests on SpikeWatch's step
+side."""
 import math
 import warnings
 
@@ -111,6 +113,84 @@ def test_the_step_baseline_needs_both_the_ratio_and_the_deviations():
 def test_bad_spike_options_say_what_is_accepted():
     with pytest.raises(ValueError, match="ratio must be a number > 1"):
         SpikePolicy(ratio=1.0)
+    with pytest.raises(ValueError, match="floor_deviations must be a finite number >= 0"):
+        SpikePolicy(floor_deviations=-1)
     with pytest.raises(TypeError, match="spikes must be True"):
         nanscan.WatchConfig(spikes="yes")
     assert nanscan.WatchConfig(spikes=True).spikes == SpikePolicy()
+
+
+def _blobs(seed, n=512, dim=8):
+    """Two Gaussian blobs (centres 3 apart from the separating plane on either side, spread 0.7), the
+    points within 0.1 of the plane left out: separable, with a thin tail of hard points near it."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(dim, generator=g)
+    w /= w.norm()
+    y = torch.randint(0, 2, (4 * n,), generator=g)
+    sign = 2 * y.float() - 1
+    x = 0.7 * torch.randn(4 * n, dim, generator=g) + 3.0 * sign[:, None] * w
+    keep = (x @ w) * sign > 0.1
+    return x[keep][:n], y[keep][:n]
+
+
+def _train_classifier(seed, steps=500, flip_at=None):
+    """An MLP trained on :func:`_blobs` in batches of 4, watched from its first step: converged (loss
+    ~0.01) by step ~200, then trained on; at ``flip_at`` one batch has its labels flipped."""
+    torch.manual_seed(seed)
+    x, y = _blobs(seed)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    g = torch.Generator().manual_seed(1000 + seed)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanscan.watch(model, opt, spikes=True) as mon:
+            for step in range(steps):
+                i = torch.randint(0, len(x), (4,), generator=g)
+                target = 1 - y[i] if step == flip_at else y[i]
+                loss = nn.functional.cross_entropy(model(x[i]), target)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+    return mon, losses, [w for w in caught if issubclass(w.category, nanscan.SpikeWarning)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_converged_classifier_in_batches_of_4_gives_no_spike(seed):
+    # issue #43 item 9: near 0, one hard example in a batch of 4 is a jump of many times the baseline
+    mon, losses, warned = _train_classifier(seed)
+    assert sum(losses[200:]) / 300 < 0.01  # (converged: loss ~0.01 and below from step 200 on)
+    assert [(e.step, e.metric, round(e.value, 4), round(e.baseline, 4)) for e in mon.spikes] == []
+    assert warned == []
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_labels_flipped_in_one_batch_of_the_converged_classifier_are_a_spike(seed):
+    mon, losses, warned = _train_classifier(seed, flip_at=400)
+    (event,) = [e for e in mon.spikes if e.metric == "loss"]
+    assert event.step == 400 and event.value == pytest.approx(losses[400], rel=1e-5) and event.value > 5
+    assert event.ratio > 10  # (to the floor: the baseline itself was ~0.001)
+    assert all(e.step == 400 for e in mon.spikes)  # the bad batch, and nothing else
+    assert any("loss spike at step 400" in str(w.message) for w in warned)
+
+
+def test_under_its_floor_a_step_metric_is_at_0():
+    def run(policy):
+        watch = SpikeWatch(policy)
+        for step, value in enumerate([0.7, 0.5, 0.8, 0.6, 0.7]):  # a batch-to-batch noise of ~0.2
+            watch.step_done(step, loss=value, grad_norm=None)
+        for step in range(5, 40):  # trained to near 0
+            assert watch.step_done(step, loss=0.001 * (1 + step % 3), grad_norm=None) == []
+        return watch, watch.step_done(40, loss=0.3, grad_norm=None)  # one hard example: 150x the baseline
+
+    watch, found = run(SpikePolicy(warmup=5))
+    assert found == []  # under ratio x the floor
+    floor = math.exp(watch._floor["loss"])
+    assert 0.5 < floor < 1.5  # 5 x the warmup's noise in the loss's own units
+    with pytest.warns(nanscan.SpikeWarning, match="loss spike at step 41"):
+        (event,) = watch.step_done(41, loss=5.0, grad_norm=None)
+    assert event.baseline == pytest.approx(floor, rel=0.01) and event.ratio == pytest.approx(5.0 / event.baseline)
+    with pytest.warns(nanscan.SpikeWarning):  # without the floor, ratios to near 0 are spikes
+        _, found = run(SpikePolicy(warmup=5, floor_deviations=0))
+    assert [e.step for e in found] == [40]

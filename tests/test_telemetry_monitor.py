@@ -1,5 +1,6 @@
 """watch(..., telemetry=...): every module's numbers every telemetry_every steps, from the records the
 monitor reads anyway, checked against torch and read back from a real TensorBoard event file."""
+import json
 import math
 import warnings
 
@@ -186,3 +187,101 @@ def test_mlflow_store_holds_the_monitors_points(mlflow_store):
     assert sorted(got["nanscan/rms/0"]) == [0, 2]
     assert got["nanscan/rms/0"][2] == pytest.approx(outputs[2].pow(2).mean().sqrt().item(), rel=1e-6)
     assert {"nanscan/param_norm/0.weight", "nanscan/grad_norm/4.weight", "nanscan/loss"} <= set(got)
+
+
+def _steps(mon, model, opt, steps, nan_at=(), catch=()):
+    """Trains ``steps`` steps; a NaN in the batch at the steps in ``nan_at``; exceptions of the types
+    in ``catch`` are caught as a loop would (the step's gradients dropped)."""
+    for step in range(steps):
+        x = torch.randn(16, 4)
+        if step in nan_at:
+            x[0, 0] = float("nan")
+        try:
+            model(x).pow(2).mean().backward()
+            opt.step()
+        except catch:
+            pass
+        opt.zero_grad()
+
+
+def test_the_step_that_raises_publishes_its_point_before_the_error_propagates():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    points = {}
+    mon = nanscan.watch(model, opt, telemetry_every=10, telemetry=lambda step, s: points.__setitem__(step, dict(s)))
+    with pytest.raises(nanscan.NonFiniteError) as raised:
+        _steps(mon, model, opt, 20, nan_at={13})
+    assert raised.value.incident.step == 13
+    # (before close: the loop's error is what the user sees next, and the process may end with it)
+    assert sorted(points) == [0, 10, 13]
+    failing = points[13]
+    # (one NaN input of 16 x 4: row 0 of layer 0's 16 x 8 output; the Mask cleans it before the loss)
+    assert failing["nanscan/nonfinite/0"] == failing["nanscan/nonfinite/2"] == 8
+    assert failing["nanscan/nonfinite"] > 0 and failing["nanscan/grad_nonfinite/0.weight"] == 8
+    assert failing["nanscan/loss"] > 0
+    mon.close()
+    assert sorted(points) == [0, 10, 13]
+
+
+def test_close_publishes_the_counts_since_the_last_point_and_a_clean_run_stays_on_schedule():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    points = {}
+    with nanscan.watch(model, opt, telemetry_every=10, on_nonfinite="record",
+                       telemetry=lambda step, s: points.__setitem__(step, dict(s))) as mon:
+        model[2].at = {12}  # (one NaN in step 12, masked before the loss)
+        _steps(mon, model, opt, 15)
+        assert sorted(points) == [0, 10]
+    assert sorted(points) == [0, 10, 14]  # (the last complete step: the NaN of step 12 is counted)
+    assert points[14]["nanscan/nonfinite"] == 1 and points[14]["nanscan/nonfinite/2"] == 1
+    assert points[14]["nanscan/loss"] > 0 and "nanscan/rms/0" not in points[14]  # (statistics: on schedule only)
+    clean = {}
+    with nanscan.watch(_model(), None, telemetry_every=10, telemetry=lambda step, s: clean.__setitem__(step, s)):
+        pass
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with nanscan.watch(model, opt, telemetry_every=10, telemetry=lambda step, s: clean.__setitem__(step, s)) as mon:
+        _steps(mon, model, opt, 15)
+    assert sorted(clean) == [0, 10]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("steps", [5, 6])
+def test_the_last_point_has_the_parameters_after_its_update_with_every_above_one(mode, steps):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    points = {}
+    with nanscan.watch(model, opt, every=2, telemetry_every=2, mode=mode,
+                       telemetry=lambda step, s: points.__setitem__(step, dict(s))) as mon:
+        for step in range(steps):
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 4:
+                after = [p.detach().clone() for p in model.parameters()]
+    assert sorted(points) == [0, 2, 4] and not mon.incidents
+    last = points[4]
+    assert last["nanscan/param_norm/4.weight"] == pytest.approx(after[2].norm().item(), rel=1e-6)
+    assert last["nanscan/param_amax/0.bias"] == pytest.approx(after[1].abs().max().item())
+
+
+def test_a_sink_interrupt_caught_by_the_loop_leaves_the_step_count_right(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    published = []
+
+    def sink(step, scalars):
+        published.append(step)
+        if len(published) == 2:
+            raise KeyboardInterrupt
+
+    log = tmp_path / "log.jsonl"
+    with nanscan.watch(model, opt, telemetry_every=2, telemetry=sink, on_nonfinite="record", log=str(log)) as mon:
+        _steps(mon, model, opt, 12, nan_at={11}, catch=KeyboardInterrupt)
+        assert mon.state.index == 12
+    assert [inc.step for inc in mon.incidents][:1] == [11]
+    assert published == [0, 2, 4, 6, 8, 10, 11]  # (11: at close, the NaN counted since the last point)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    steps = [line["step"] for line in lines if line["type"] == "step"]
+    assert steps == list(range(12))  # (the step whose point was interrupted is logged too)
+    assert [line["step"] for line in lines if line["type"] == "incident"][:1] == [11]

@@ -9,6 +9,7 @@ import glob
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -252,6 +253,18 @@ def test_an_event_log_is_not_a_sink_by_itself(tmp_path):
 def test_bad_sink_constructor_arguments(make, match):
     with pytest.raises(TypeError, match=match):
         make()
+
+
+def test_jsonl_under_a_file_names_that_file_when_made(tmp_path):
+    # The sink's EventLog is opened when the sink is made: the error comes before training starts,
+    # and it names the file in the way (mkdir's own error read "File exists: '.../notes.txt'").
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    with pytest.raises(NotADirectoryError, match=rf"^nanscan EventLog: cannot create .*: "
+                                                 rf"{re.escape(str(notes))} is a file, not a directory; "
+                                                 r"give a path under a directory"):
+        JSONL(notes / "sub.jsonl")
+    assert notes.read_text() == "x"
 
 
 # --- TensorBoard ------------------------------------------------------------------------------

@@ -146,6 +146,54 @@ def _autocast(manifest: dict, device: torch.device, precision: Optional[str]):
     return torch.autocast(device.type, dtype=getattr(torch, rec["dtype"]))
 
 
+# A mismatch names at most this many keys of each kind, then "and N more".
+MAX_KEYS_NAMED = 4
+
+
+class ModelMismatchError(ValueError):
+    """The model's state dict does not fit the bundle's: ``detail`` names the missing and unexpected
+    keys and the shape mismatches, a few of each."""
+
+    def __init__(self, detail: str):
+        self.detail = detail
+        super().__init__(f"nanscan.replay: the model does not fit the bundle's saved state (is it built the way "
+                         f"the captured model was?): {detail}")
+
+
+def _some(names: list) -> str:
+    shown = ", ".join(names[:MAX_KEYS_NAMED])
+    return shown + (f" and {len(names) - MAX_KEYS_NAMED} more" if len(names) > MAX_KEYS_NAMED else "")
+
+
+def _state_mismatch(model: torch.nn.Module, state: dict) -> Optional[str]:
+    """The keys and shapes where ``state`` does not fit ``model``, in words; None when they all do."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} (bundle {list(state[k].shape)}, model {list(own[k].shape)})" for k in own
+              if isinstance(own.get(k), torch.Tensor) and isinstance(state.get(k), torch.Tensor)
+              and not isinstance(own[k], torch.nn.parameter.UninitializedTensorMixin)  # a lazy module takes any
+              and own[k].shape != state[k].shape]
+    parts = [f"{what}: {_some(names)}" for what, names in (
+        ("missing keys (in the model, not in the bundle)", missing),
+        ("unexpected keys (in the bundle, not in the model)", unexpected),
+        ("shape mismatches", shapes)) if names]
+    return "; ".join(parts) or None
+
+
+def load_model_state(model: torch.nn.Module, state: dict) -> None:
+    """``model.load_state_dict(state)``; a state that does not fit (a layer added, removed or resized
+    since the bundle was captured) is a :class:`ModelMismatchError` naming the keys, instead of the
+    several lines of ``load_state_dict``'s ``RuntimeError``."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = _state_mismatch(model, state)
+        if detail is None:  # (a failure of the model's own loading code: its error says more)
+            raise
+        raise ModelMismatchError(detail) from e
+
+
 def prepare(bundle, model: torch.nn.Module, precision: Optional[str] = None):
     """Load the bundle's state into ``model`` (and restore the pre-step RNG); returns the bundle
     and its batch on the model's device. Shared by replay and bisect."""
@@ -317,9 +365,14 @@ def replay(bundle, model: torch.nn.Module, forward: Optional[Callable[[Any, Any]
     back-propagated too (``backward=False`` to skip), so gradient faults are found. ``allow``:
     the fnmatch patterns of :func:`nanscan.watch` (module names whose non-finite values are
     intended). ``model``'s parameters are overwritten by the bundle's state and its gradients
-    reset. See ``docs/replay.md`` for how to read the answer."""
+    reset; a model whose state dict does not fit the bundle's is a :class:`ModelMismatchError` (a
+    ``ValueError``) naming the missing and unexpected keys and the shape mismatches. See
+    ``docs/replay.md`` for how to read the answer."""
     allow = check_allow(allow, "nanscan.replay")
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    # Loaded once here to report a model that does not fit in words (prepare loads it again before
+    # each run; bisect keeps load_state_dict's own error for each backend it reports).
+    load_model_state(model, b.model_state)
     runner = _Runner(b, model, forward, precision, compile_backend, backward, allow)
     mode = StepMode(None, allow)
     outcome = runner(mode, anomaly=anomaly)

@@ -13,6 +13,7 @@ from nanscan import _ops
 from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.incident import NonFiniteError
 from nanscan.monitor.monitor import Monitor
+from nanscan.monitor.skipping import check_skip_can_protect
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import install, unwrap
 from nanscan.monitor.traced import drop_graphs_compiled_without_hooks
@@ -86,6 +87,8 @@ def watch(model, optimizer=None, scaler=None, *, config: Optional[WatchConfig] =
     if config.on_nonfinite == "skip" and optimizer is None:
         raise ValueError("nanscan.watch: on_nonfinite='skip' skips the optimizer's update of a non-finite step, and "
                          "no optimizer was given: watch(model, optimizer, on_nonfinite='skip')")
+    if config.on_nonfinite == "skip":
+        check_skip_can_protect(model, optimizer, config.every)
     if id(model) in _WATCHED:
         raise ValueError("nanscan.watch: this model is already watched; close the first Monitor "
                          "(mon.close() or leave its `with` block) before watching it again")

@@ -79,6 +79,11 @@ def _min_all(value: int) -> int:
     return int(t.item())  # host copy: once per checked step, like the records
 
 
+def any_rank(flag: bool) -> bool:
+    """Collective: whether ``flag`` is true on any rank (one all_reduce of one int64)."""
+    return _min_all(0 if flag else 1) == 0
+
+
 def agree(local):
     """Collective: every rank passes its own first incident to raise (or None) and gets back the
     one every rank will report, or None: the earliest (step, phase); among the ranks with that one,

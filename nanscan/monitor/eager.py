@@ -83,14 +83,24 @@ def hooked(info: ModuleInfo) -> bool:
 
 # Note [hooks on copies]: a module's hooks live in its ``_forward_pre_hooks`` / ``_forward_hooks``
 # dicts, which ``copy.deepcopy`` and pickling copy with it. Each hook is a bound method of the
-# closure that does the work on a :class:`_HookToken`:
+# closure that does the work on a :class:`_HookToken`, one per hooked module:
+# * ``copy.deepcopy`` (EMA, teachers, ``AveragedModel``) copies a bound method as
+#   ``MethodType(fn, deepcopy(token, memo))``, and ``copy._reconstruct`` puts a module's copy in
+#   ``memo[id(module)]`` before it copies the module's ``__dict__`` (the hook dicts). The token's
+#   ``__deepcopy__`` returns the token itself -- the copy holds the same hook ids -- and looks up,
+#   among the modules it is on (the watched one and the copies made so far, so that a copy of a copy
+#   is found too), the one being copied: it remembers that module's copy, weakly (the monitor keeps
+#   no copy alive). While watched, the C++ hooks tell the copy from the watched module and record
+#   nothing for it; ``close()`` removes the token's hook ids from every copy still alive: none
+#   costs a hook call per module call afterwards.
 # * ``pickle`` / ``torch.save`` of a watched model pickles the token, which unpickles as an
 #   :class:`_Unhook` whose "hook" removes itself at its first call: a loaded model is unwatched
 #   (the closures themselves cannot be pickled: a whole-model checkpoint would fail).
-# * ``copy.deepcopy`` (EMA, teachers) keeps the live hook; the C++ hooks tell the copy from the
-#   watched module and record nothing for it. At close, the closures' C++ entry points are replaced
-#   by a function that removes the hooks from the module it is called on: a copy made while watched
-#   is back at unwatched speed after its first call.
+# * Copies nanscan could not see (a ``__dict__`` copied by hand; a deep copy of a copy made after
+#   close): at close the closures' C++ entry points are replaced by a function that removes the
+#   hooks from the module it is called on, so such a copy is unwatched after its first call.
+# A deep copy that dynamo makes while it compiles (``deepcopy_to_fake_tensor`` of a module kept as
+# a graph call) is remembered the same way: a weak reference, gone with the copy.
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
@@ -121,23 +131,41 @@ class _Unhook:
 
 
 class _HookToken:
-    """The ``self`` of a nanscan hook (Note [hooks on copies])."""
+    """The ``self`` of a nanscan hook: the hook ids of one module and the modules that hold them --
+    the watched one and its deep copies (Note [hooks on copies])."""
 
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "modules")
 
-    def __init__(self):
+    def __init__(self, module: torch.nn.Module):
         self.ids: list = []  # the hook handle ids of one module
+        self.modules: Optional[list] = [weakref.ref(module)]  # None once closed
 
     def __reduce__(self):
         return _Unhook, (self.ids,)
 
     def __deepcopy__(self, memo):
+        modules = self.modules
+        if modules is None:  # closed: a copy's hooks remove themselves at its first call
+            return self
+        # The module being copied is one of those alive (so its id is its own): its copy is in the
+        # memo already. (Compared by identity: a module may define __eq__.)
+        live = [m for m in (ref() for ref in modules) if m is not None]
+        copies = [memo.get(id(m)) for m in live]
+        copies = [c for c in copies if isinstance(c, torch.nn.Module) and all(c is not m for m in live)]
+        if (copies or len(live) < len(modules)) and self.modules is modules:  # (not closed meanwhile)
+            self.modules = [weakref.ref(m) for m in live + copies]  # (the dead ones dropped)
         return self
+
+    def close(self) -> None:
+        """Remove the hooks from every copy still alive; copies made later are not remembered."""
+        modules, self.modules = self.modules, None
+        for ref in modules or ():
+            module = ref()
+            if module is not None:  # (the watched module's hooks are gone with their handles)
+                _remove_hooks(module, self.ids)
 
 
 def _bound(fn, token):
-    import types
-
     return types.MethodType(fn, token)
 
 
@@ -215,7 +243,8 @@ class EagerHooks:
         self.cpp.set_post_only(post_only)
         self._closures = []  # (closure, token): retargeted at close (Note [hooks on copies])
         for info in installed:
-            module, token = info.module(), _HookToken()
+            module = info.module()
+            token = _HookToken(module)
             pre, post = self._pre_hook(info), self._post_hook(info)
             self._closures += [(pre, token), (post, token)]
             pre, post = run_eagerly_as_frame(pre), run_eagerly_as_frame(post)
@@ -238,9 +267,11 @@ class EagerHooks:
 
     def close(self) -> None:
         self.cpp.release()  # (the C++ side holds this object: the cycle ends here)
-        # Copies of the model made while watched still hold the hooks: from now on a call removes
-        # them from the module it runs on (Note [hooks on copies]).
+        # Deep copies of the model made while watched lose the hooks now; copies nanscan did not
+        # see lose them at their first call (Note [hooks on copies]).
         for closure, token in getattr(self, "_closures", ()):
+            token.close()
+
             def unhook(*args, ids=token.ids):
                 _remove_hooks(args[1], ids)
 

@@ -94,6 +94,7 @@ class Health:
         self._grad_contrib: dict = {}  # telemetry step -> this rank's share of the squared gradient norm
         self._step_nonfinite = 0  # ... in every record of the checked steps since the last point
         self._skipped = 0  # updates skipped so far (running)
+        self._unpublished = None  # (step, values, clipped) of the last complete step not published
         # (prefix, tensor name) -> its scalar names: the statistics', then its non-finite count's; ()
         # when telemetry_names leaves it out. Made once per tensor (every point has the same names).
         self._names: dict = {}
@@ -103,8 +104,9 @@ class Health:
 
     def wants_read(self, read) -> bool:
         """``read`` holds records of a telemetry step: its own, or the last checked step's parameters
-        after the update."""
-        return self.wants(read.step) or self.wants(read.step - self.lag)
+        after the update. (That step is the last multiple of ``lag`` before the read's: one ``lag``
+        back for the read of a checked step, less for the read at ``close`` after an unchecked one.)"""
+        return self.wants(read.step) or self.wants((read.step - 1) // self.lag * self.lag)
 
     def observe(self, read) -> None:
         """One decoded training :class:`~nanscan.monitor.read.Read`: the non-finite counts of its
@@ -239,15 +241,40 @@ class Health:
         contrib = self._grad_contrib.pop(step, 0.0)
         for old in [k for k in self._grad_contrib if k < step]:
             del self._grad_contrib[old]
+        values = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale}
         if not self.wants(step):
+            # Kept until the next point: a point published off schedule (Note [the failure reaches
+            # the tracker]) is of this step.
+            self._unpublished = (step, values, clipped)
             return
-        raw = raw or {}
+        self._unpublished = None
+        self._publish_point(step, raw or {}, values, clipped, contrib)
+
+    def publish_pending(self, failure: bool = False) -> None:
+        """Note [the failure reaches the tracker]: a point at the last complete step that was not a
+        telemetry step, published off schedule, when the run would otherwise lose what it counted --
+        when the step raises its incident (``failure``: the error is about to stop the loop) and at
+        ``close`` when non-finite values were counted since the last point. It has the step's
+        ``loss``, ``grad_norm`` and ``loss_scale``, the running ``updates_skipped`` and the
+        non-finite counts (per step and per tensor) since the last point; no per-tensor statistics
+        (those are taken at telemetry steps only). A clean run's points stay on schedule. Under
+        torch.distributed (several ranks) a point is a collective, so none is published off
+        schedule: the counts wait for the next scheduled point (the incident is in every rank's
+        event log and ``mon.incidents``)."""
+        if self._unpublished is None or self.failed or self.ranks is not None:
+            return
+        step, values, clipped = self._unpublished
+        if not failure and not self._step_nonfinite and not any(self._counts.values()):
+            return
+        self._unpublished = None
+        self._publish_point(step, {}, values, clipped, 0.0)
+
+    def _publish_point(self, step: int, raw: dict, values: dict, clipped: bool, contrib) -> None:
         counts: dict = {}
         for counted in [k for k in self._counts if k <= step]:  # every checked step since the last point
             for name, count in self._counts.pop(counted).items():
                 counts[name] = counts.get(name, 0) + count
-        values = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale,
-                  "updates_skipped": self._skipped, "nonfinite": self._step_nonfinite}
+        values = dict(values, updates_skipped=self._skipped, nonfinite=self._step_nonfinite)
         self._step_nonfinite = 0
         if self.ranks is not None:
             if self.failed:

@@ -93,8 +93,8 @@ class Monitor(Results):
         self._capturer = StepCapture(model, optimizer, scaler, config.capture_dir, config.keep_pre_update_state,
                                      self.rank, config.mode)
         # on_nonfinite="skip": the buffer snapshot, the consecutive count, the wrapped optimizer.step.
-        self.skipper = (StepSkipper(model, config.max_consecutive_skips) if config.on_nonfinite == "skip"
-                        else None)
+        self.skipper = (StepSkipper(model, config.max_consecutive_skips, config.allow)
+                        if config.on_nonfinite == "skip" else None)
         # What a landed read leads to (ledger, findings, step log, headroom, telemetry, the policy).
         self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, headroom, self._capturer,
                                  write_bundle=self.capture, skipper=self.skipper, spikes=spikes)
@@ -262,10 +262,17 @@ class Monitor(Results):
         # (Lightning's automatic optimization, LBFGS). Read when the closure returns -- after the
         # backward, before the update -- not here, before the forward.
         wrapped = wrap_closure(optimizer, args, kwargs,
-                               lambda: None if state.closed else self._read_before_update(optimizer))
+                               lambda: None if state.closed else self._closure_returned(optimizer))
         if wrapped is None:
             self._read_before_update(optimizer)
+        elif self.skipper is not None:
+            self.skipper.closure_step_begins(optimizer)
         return wrapped
+
+    def _closure_returned(self, optimizer) -> None:
+        if self.skipper is not None:
+            self.skipper.closure_returned()
+        self._read_before_update(optimizer)
 
     def _read_before_update(self, optimizer) -> None:
         outcomes = self.outcomes
@@ -324,21 +331,32 @@ class Monitor(Results):
                     self.tensors.record_buffers(self.slots, step)
                 self._read(before_update=False, raise_incident=raise_incident)
         finally:
-            if self.steplog is not None and state.checking:
-                update = None
-                if state.attempted:
-                    update = {True: "applied", False: "skipped", None: None}[state.applied]
-                lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
-                self.steplog.ended(step, update, lr if isinstance(lr, (int, float)) else None)
-                # (Records that come with a later read -- parameters after the update, async mode's
-                # one-read delay -- arrive with the next *checked* step's read, `every` steps later.)
-                lag = ((1 if (self.params and self.optimizer is not None) else 0)
-                       + (1 if self.config.mode == "async" else 0))
-                self.steplog.flush(before=step + 1 - lag * self.config.every)
-            state.next_step()  # (the compiled rows follow its recording switch)
-            self.tensors.follow_moves()  # the model may have moved (model.to(device) after watch)
-            if self.activations:
-                self.traced.allocate(self.tensors.device())
+            try:
+                if self.steplog is not None and state.checking:
+                    self._log_step_end(step)
+            finally:
+                # The next step begins whatever the log and the sinks did: a sink's KeyboardInterrupt
+                # the loop catches must not leave the step count behind for the rest of the run.
+                if self.skipper is not None:
+                    self.skipper.step_ended()
+                state.next_step()  # (the compiled rows follow its recording switch)
+                self.tensors.follow_moves()  # the model may have moved (model.to(device) after watch)
+                if self.activations:
+                    self.traced.allocate(self.tensors.device())
+
+    def _log_step_end(self, step: int) -> None:
+        """The step log (and through it telemetry and spikes) hears that a checked step ended."""
+        state = self.state
+        update = None
+        if state.attempted:
+            update = {True: "applied", False: "skipped", None: None}[state.applied]
+        lr = self.optimizer.param_groups[0].get("lr") if self.optimizer is not None else None
+        self.steplog.ended(step, update, lr if isinstance(lr, (int, float)) else None)
+        # (Records that come with a later read -- parameters after the update, async mode's
+        # one-read delay -- arrive with the next *checked* step's read, `every` steps later.)
+        lag = ((1 if (self.params and self.optimizer is not None) else 0)
+               + (1 if self.config.mode == "async" else 0))
+        self.steplog.flush(before=step + 1 - lag * self.config.every)
 
     # ------------------------------------------------------------------ user API
     # Note [explicit steps]: ``with mon.step(batch):`` is one step. When the block ends without an
@@ -397,6 +415,8 @@ class Monitor(Results):
             slot = Slot(self.state.index, "loss", "loss", "loss", loss.dtype, loss.shape,
                         self.hooks.root_outputs if forward else (), True)
             slot.inputs_changed = not forward
+            if self.steplog is not None:
+                self.steplog.loss_recorded(slot, len(self.slots))
             self.slots.add(loss, slot)
         return loss
 
@@ -490,6 +510,15 @@ class Monitor(Results):
     # ------------------------------------------------------------------ reading
     def _read(self, before_update: bool, raise_incident: bool = True, final: bool = False,
               found_inf: Optional[torch.Tensor] = None, include_grads: bool = True) -> None:
+        try:
+            self._read_and_decide(before_update, raise_incident, final, found_inf, include_grads)
+        except NonFiniteError:
+            if self.steplog is not None:  # (the log and the tracker have the failing step before it stops the loop)
+                self.steplog.failed()
+            raise
+
+    def _read_and_decide(self, before_update: bool, raise_incident: bool, final: bool,
+                         found_inf: Optional[torch.Tensor], include_grads: bool) -> None:
         state = self.state
         state.was_read()
         step = state.index

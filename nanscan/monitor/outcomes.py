@@ -102,9 +102,12 @@ class Outcomes:
         policy = self.config.on_nonfinite
         if policy == "record" or raise_incident is None:  # None: an earlier incident is raised
             return
+        not_skipped = None  # (why a step that skip would take cannot be undone: raised instead)
         if policy == "skip" and raise_incident and self.before_update and self.skipper.allowed:
-            self.skip_report = report
-            return
+            not_skipped = self.skipper.cannot_undo(read.step, report)
+            if not_skipped is None:
+                self.skip_report = report
+                return
         if policy == "warn" or not raise_incident or (policy == "skip" and not self.before_update):
             # (skip, outside the pre-update read: the step ended without an update to skip -- warned)
             warn(str(report) + self.findings.also(read, report), RuntimeWarning, stacklevel=5)
@@ -116,7 +119,7 @@ class Outcomes:
             attach_note(error, f"nanscan wrote the failure bundle: {bundle_path}")
         if capture_error is not None:
             attach_note(error, f"nanscan could not write the bundle: {capture_error!r}")
-        note = limit_note(self.skipper) if policy == "skip" else None
+        note = not_skipped or (limit_note(self.skipper) if policy == "skip" else None)
         if note is not None:
             attach_note(error, note)
         raise error

@@ -49,6 +49,7 @@ class StepLog:
         self.steps: dict = {}  # step -> its entry, only for checked steps still to be written
         self.error: Optional[BaseException] = None
         self.written = -1  # the last step flushed: a record of it or of an earlier step is late
+        self._losses: list = []  # (loss slot, entry in the training window) recorded since the last read
         # The step's numbers go to the event log (log None: none) and to telemetry (health None: none).
         self.health = health
         self.spikes = spikes  # (spike warnings: every checked step's loss and gradient norm)
@@ -68,6 +69,11 @@ class StepLog:
         return self.steps.setdefault(step, {"loss": None, "grad_sumsq": None, "grad_bad": False, "loss_scale": None,
                                             "nonfinite": dict.fromkeys(TRAINING_PHASES, 0), "ended": False,
                                             "read": False, "headroom": {}})
+
+    def loss_recorded(self, slot, entry: int) -> None:
+        """The monitor put a loss (``slot``) at ``entry`` of the training window: the fast path of
+        :meth:`observe` folds it without scanning the read."""
+        self._losses.append((slot, entry))
 
     @staticmethod
     def _eval_read(slots, rows) -> bool:
@@ -97,11 +103,22 @@ class StepLog:
                     e["read"] = True
         if not self.logging and self.spikes is None and self.health is not None and not self.health.wants_read(read):
             # Telemetry alone, and no telemetry step in this read: only what adds up between points
-            # (non-finite counts, kept per step) is needed.
+            # (non-finite counts, kept per step) is needed, and the loss (a point published off
+            # schedule has it: Note [the failure reaches the tracker]).
             for i in sorted(bad):
                 row = read.slot(i)
                 self._fold(row.step, row.phase, row.kind, row.param, row.candidate, read.values(i), True)
+            for rows in eager:
+                for i in rows.loss_entries:
+                    if i not in bad:
+                        row = rows.slot(i)
+                        self._fold(row.step, row.phase, row.kind, row.param, row.candidate, read.values(i), False)
+            for slot, i in self._losses:  # (recorded at backward: found by where it was put, not by a scan)
+                if i < len(slots) and slots[i] is slot and i not in bad:
+                    self._fold(slot.step, slot.phase, slot.kind, slot.param, slot.candidate, read.values(i), False)
+            self._losses.clear()
             return
+        self._losses.clear()
         n_host = read.eager_count if read.host is not None else 0
         host = read.host[:n_host, :RECORD_SIZE].tolist() if n_host else []
 
@@ -232,13 +249,13 @@ class StepLog:
                 grad_norm = math.sqrt(e["grad_sumsq"])
             if self.spikes is not None and e["ended"]:
                 self._spikes(step, e["loss"], grad_norm)
-            if self.health is not None:
-                self._publish(step, e, grad_norm)
             extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
             # (_write calls it at once; a lambda, not a partial: self.log and e are read inside _write's try)
             self._write(lambda step=step, e=e, grad_norm=grad_norm, extra=extra: self.log.step(
                 step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"], lr=e.get("lr"),
                 update=e.get("update"), nonfinite=e["nonfinite"], **extra))
+            if self.health is not None:  # (after the log line: a sink's KeyboardInterrupt cannot lose it)
+                self._publish(step, e, grad_norm)
 
     def _spikes(self, step: int, loss, grad_norm) -> None:
         """The step's loss and gradient norm to the spike baselines; a spike goes to the event log and
@@ -279,8 +296,26 @@ class StepLog:
             warnings.warn(f"nanscan: the event log could not be written, logging stops: {e!r}", RuntimeWarning,
                           stacklevel=4)
 
+    def failed(self) -> None:
+        """A step raised its incident: every step read so far is written and its telemetry point
+        published now, before the error stops the loop (Note [the failure reaches the tracker] in
+        :mod:`nanscan.monitor.health`). Records of those steps that come later are late ones."""
+        self.flush()
+        self._publish_pending(failure=True)
+
+    def _publish_pending(self, failure: bool) -> None:
+        if self.health is None:
+            return
+        try:
+            self.health.publish_pending(failure=failure)
+        except Exception as error:  # pragma: no cover - telemetry never stops training
+            self.health.fail()
+            self.health = None
+            warnings.warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
+
     def close(self) -> None:
         self.flush()
+        self._publish_pending(failure=False)
         if self.owned and self.log is not None:
             self._write(self.log.close)
         if self.health is not None:

@@ -260,7 +260,8 @@ class MLflow(Sink):
 
 class JSONL(Sink):
     """``JSONL(path)`` opens (and on ``close`` closes) a :class:`nanscan.EventLog` at ``path`` --
-    appended to, never truncated; ``JSONL(event_log)`` writes to a log you own (the monitor's, say).
+    appended to, never truncated (a path under a file, or a directory, fails here: the log is opened
+    when the sink is made); ``JSONL(event_log)`` writes to a log you own (the monitor's, say).
     Each publish is one line through the log's strict-JSON writer::
 
         {"type": "telemetry", "step": 7, "rank": 0, "time": "...", "scalars": {"nanscan/loss": 2.5, ...}}
