@@ -865,3 +865,48 @@ def test_mon_step_blocks_with_the_update_after_them_count_one_step_each_in_the_l
     steps = [r for r in records if r.get("type") == "step"]
     assert [r["step"] for r in steps] == list(range(6))
     assert [r["update"] for r in steps] == ["applied", "skipped", "applied", "applied", None, None]
+
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def test_two_watched_models_each_take_only_their_own_loss():
+    a, b = _mlp(0), _mlp(1)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+    log = []
+    mon_a = nanscan.watch(a, opt_a, on_nonfinite="record")
+    mon_b = nanscan.watch(b, opt_b, on_nonfinite="record")
+    with mon_a, mon_b:
+        for step in range(4):
+            x = torch.randn(8, 4)
+            loss_a = a(x).pow(2).mean()
+            loss_b = b(x).pow(2).mean() * (float("nan") if step == 2 else 1.0)
+            loss_a.backward()
+            loss_b.backward()
+            opt_a.step()
+            opt_b.step()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            log.append(mon_a.state.index)
+    assert mon_a.incidents == []  # (model b's NaN loss is not model a's)
+    assert (mon_b.incident.step, mon_b.incident.phase, mon_b.incident.name) == (2, "loss", "loss")
+    assert log == [1, 2, 3, 4]
+
+
+def test_a_watched_frozen_teacher_takes_no_loss_from_the_students_backward():
+    teacher, student = _mlp(0).requires_grad_(False), _mlp(1)
+    opt = torch.optim.SGD(student.parameters(), lr=0.01)
+    with nanscan.watch(teacher, on_nonfinite="record") as mon_t, \
+            nanscan.watch(student, opt, on_nonfinite="record") as mon_s:
+        for step in range(3):
+            x = torch.randn(8, 4)
+            with torch.no_grad():
+                target = teacher(x)
+            loss = (student(x) - target).pow(2).mean() * (float("nan") if step == 1 else 1.0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert [(i.step, i.phase) for i in mon_s.incidents][:1] == [(1, "loss")]
+    assert all(i.phase == "eval" for i in mon_t.incidents)  # (its forwards: under no_grad, after the NaN weights)

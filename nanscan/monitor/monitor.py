@@ -55,7 +55,7 @@ from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.tensors import ModelTensors
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
-from nanscan.monitor.torch_hooks import graph_has_compiled_function
+from nanscan.monitor.torch_hooks import graph_has_compiled_function, graph_reaches
 from nanscan.monitor.traced import TracedRows
 from nanscan.monitor.triggers import wrap_closure, wrap_scaler
 from nanscan.warn import warn
@@ -444,9 +444,25 @@ class Monitor(Results):
             return
         if self._scaled_ref is not None and self._scaled_ref() is tensor:
             return  # scaler.scale(loss).backward(): the loss was recorded, unscaled, by scale()
+        if len(_WATCHED) > 1 and not self._owns_loss(tensor):
+            return  # another watched model's loss (Note [whose loss])
         if not self.hooks.recorded_forward and graph_has_compiled_function(tensor.grad_fn):
             self._unhooked_graph = True  # (a graph compiled before watch, whose hooks never run: _check_hooks_ran)
         self.check_loss(tensor)  # (with no forward recorded: a loss of the parameters alone, origin unknown)
+
+    # Note [whose loss]: ``tensor.backward()`` is heard by every open monitor. With one model
+    # watched, it is that model's loss. With several (a GAN's generator and discriminator, a teacher
+    # and a student, each watched), a monitor takes as its loss only a backward whose graph
+    # accumulates into one of its model's trainable parameters (``graph_reaches``: found at once for
+    # its own loss; another model's graph is walked whole, once per backward, only while several
+    # models are watched). A generator's loss through the discriminator reaches both: both record it.
+    # A watched model with no trainable parameter (a frozen teacher) takes no loss from a backward.
+    def _owns_loss(self, tensor: torch.Tensor) -> bool:
+        tensors = self.tensors
+        if tensors.param_ids is None:
+            tensors.param_ids = frozenset(id(p) for p in tensors.param_tensors)
+        # (only a parameter that requires grad has an AccumulateGrad node: a frozen one is never found)
+        return tensor.grad_fn is not None and graph_reaches(tensor.grad_fn, tensors.param_ids)
 
     def capture(self, incident: Optional[Incident] = None, capture_dir: Optional[str] = None,
                 step: Optional[int] = None) -> str:

@@ -172,6 +172,24 @@ def graph_has_compiled_function(node, limit: int = 4096) -> bool:
     return False
 
 
+def graph_reaches(node, variable_ids: frozenset) -> bool:
+    """Whether an autograd graph from ``node`` accumulates into one of the tensors whose ids are
+    ``variable_ids`` (a model's trainable parameters: their ``AccumulateGrad`` nodes). Walks the
+    graph until it finds one -- at once for a loss of the model, the whole graph for another
+    model's (asked only while several models are watched: Note [whose loss])."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        variable = getattr(n, "variable", None)
+        if variable is not None and id(variable) in variable_ids:
+            return True
+        stack.extend(f for f, _ in n.next_functions)
+    return False
+
+
 def unwrap(optimizer, scaler):
     """The torch optimizer (and its GradScaler) inside a wrapper users pass as their optimizer --
     accelerate's ``AcceleratedOptimizer`` (``accelerator.prepare``): a torch ``Optimizer`` subclass
