@@ -123,6 +123,7 @@ class Monitor(Results):
         self.opened_by_callback = False  # (an integration's callback opened it: see integrations.transformers)
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
+        self._raising = False  # a read raised a NonFiniteError that has not left the step yet
         self._handles: list = []
         try:
             self._install()
@@ -334,7 +335,12 @@ class Monitor(Results):
             try:
                 if self.steplog is not None and state.checking:
                     self._log_step_end(step)
+                if self.steplog is not None and self._raising:
+                    # A NonFiniteError is on its way to the loop: the log and the tracker get the
+                    # failing step now, ended (its update "skipped"), before it stops the run.
+                    self.steplog.failed()
             finally:
+                self._raising = False
                 # The next step begins whatever the log and the sinks did: a sink's KeyboardInterrupt
                 # the loop catches must not leave the step count behind for the rest of the run.
                 if self.skipper is not None:
@@ -529,8 +535,7 @@ class Monitor(Results):
         try:
             self._read_and_decide(before_update, raise_incident, final, found_inf, include_grads)
         except NonFiniteError:
-            if self.steplog is not None:  # (the log and the tracker have the failing step before it stops the loop)
-                self.steplog.failed()
+            self._raising = True  # (the step's end publishes it: _end_step)
             raise
 
     def _read_and_decide(self, before_update: bool, raise_incident: bool, final: bool,
