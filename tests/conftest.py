@@ -50,3 +50,23 @@ def mlflow_store(tmp_path, monkeypatch):
     yield mlflow, uri
     while mlflow.active_run() is not None:
         mlflow.end_run()
+
+
+# A monitor left open by one test hears every later test's backward (a loss hook is global): a
+# test that leaks one fails here, and the monitor is closed, so the leak never changes another test.
+@pytest.fixture(autouse=True)
+def no_monitor_outlives_its_test():
+    from nanscan.monitor.torch_hooks import WATCHED
+
+    before = set(WATCHED)
+    yield
+    leaked = [monitor for key, monitor in list(WATCHED.items()) if key not in before]
+    for monitor in leaked:
+        try:
+            monitor.close()
+        except Exception:  # (what the test left behind; its failure is reported below)
+            pass
+        WATCHED.pop(id(monitor.model), None)
+    if leaked:
+        pytest.fail(f"{len(leaked)} monitor(s) left open by this test (models: "
+                    f"{', '.join(type(m.model).__name__ for m in leaked)}); close them (mon.close() or `with`)")

@@ -11,6 +11,7 @@ traces, and a failure of nanscan's own there is warned about, never raised into 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -156,20 +157,30 @@ def _install_module_hook() -> None:
     _module_hook_handle = torch.nn.modules.module.register_module_module_registration_hook(module_registered)
 
 
+def _graph_nodes(node, limit: Optional[int] = None):
+    """The nodes of the autograd graph from ``node``, each once (up to ``limit`` of them).
+
+    Note [autograd nodes known by identity while alive]: a node's Python object lives only while
+    something holds it -- ``next_functions`` makes a new one for a node whose old object was freed
+    -- so an ``id`` outlives its object and can name another node later. The walk holds every node
+    it has visited (``seen`` keeps them, not only their ids), so an id is one node for the whole
+    walk; with ids alone a node was taken for one already visited (torch 2.11: a model's own loss
+    was found not to reach its parameters)."""
+    stack, seen = [node], {}
+    while stack and (limit is None or len(seen) < limit):
+        n = stack.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen[id(n)] = n
+        yield n
+        stack.extend(f for f, _ in getattr(n, "next_functions", ()))
+
+
 def graph_has_compiled_function(node, limit: int = 4096) -> bool:
     """Whether an autograd graph holds a node of a compiled graph (``CompiledFunctionBackward``):
     asked only in a step whose forward recorded nothing, to tell a model compiled before it was
     watched (its hooks never run) from a loss of the parameters alone."""
-    stack, seen = [node], set()
-    while stack and len(seen) < limit:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
-        if "CompiledFunction" in type(n).__name__:
-            return True
-        stack.extend(f for f, _ in getattr(n, "next_functions", ()))
-    return False
+    return any("CompiledFunction" in type(n).__name__ for n in _graph_nodes(node, limit))
 
 
 def graph_reaches(node, variable_ids: frozenset) -> bool:
@@ -177,16 +188,10 @@ def graph_reaches(node, variable_ids: frozenset) -> bool:
     ``variable_ids`` (a model's trainable parameters: their ``AccumulateGrad`` nodes). Walks the
     graph until it finds one -- at once for a loss of the model, the whole graph for another
     model's (asked only while several models are watched: Note [whose loss])."""
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in seen:
-            continue
-        seen.add(id(n))
+    for n in _graph_nodes(node):
         variable = getattr(n, "variable", None)
         if variable is not None and id(variable) in variable_ids:
             return True
-        stack.extend(f for f, _ in n.next_functions)
     return False
 
 
