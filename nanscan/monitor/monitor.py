@@ -549,7 +549,8 @@ class Monitor(Results):
             explained=self.activation_grads and self._higher_order_step != step, scalars=include_grads,
             scale=getattr(scaler, "_scale", None) if scaler is not None else None, found_inf=found_inf,
             handled=not before_update and scaler is not None and state.attempted and state.applied is False
-            and not final, final=final, non_blocking=self.config.mode == "async" and not final, steplog=self.steplog)
+            and not final, final=final, non_blocking=self.config.mode == "async" and not final, steplog=self.steplog,
+            rows_wanted=self.steplog is not None or self.outcomes.headroom is not None)
         # The earlier read first: its records were made first (async mode decodes a read late).
         previous, copy = self.reading.swap_in_flight(copy, keep=self.config.mode == "async" and not final)
         error = None

@@ -5,6 +5,16 @@ In sync mode the copy is a plain ``.cpu()``; in async mode it goes into pinned m
 ``non_blocking=True`` behind a CUDA event, and :meth:`Copy.wait` is called a read later (normally
 long done). Only the rows holding a non-finite element are turned into Python floats, so a read
 costs the same few tensor ops whatever the number of records.
+
+Note [a clean read comes back as one number]: on a GPU, when no consumer of the read needs its rows
+(no step log, telemetry, spike or headroom check, no compiled rows to place), the rows stay on the
+device: one reduction there -- the sum of every row's NaN / +Inf / -Inf counts, the same test as
+``nonfinite_rows`` -- and the read's scalars (loss scale, ``found_inf``, clip norm) are what the
+host copies back, ``8 * (1 + scalars)`` bytes whatever the number of records. Only when that sum
+is not 0 are the full rows copied (a failing step: a second copy, in a read that is about to
+report), so the same rows decide the same incident. A consumer that asks a clean read for a row
+(``Copy.row``) gets it copied then. On the CPU the rows are on the host already and the one C++ pass
+over them is cheaper than the reduction, so the decision is made there (``DEVICE_DECISION``).
 """
 from __future__ import annotations
 
@@ -15,6 +25,15 @@ import torch
 from nanscan import _ops
 from nanscan.monitor.traced import COLUMNS, SEQ
 from nanscan.record import RECORD_SIZE
+
+
+# Where a read that no consumer needs the rows of is decided (Note [a clean read comes back as one
+# number]): "cuda" -- rows on a GPU --, "always" (the tests: the device path run on CPU rows), "never".
+DEVICE_DECISION = "cuda"
+
+
+def _decided_on_device(rows: torch.Tensor) -> bool:
+    return DEVICE_DECISION == "always" or (DEVICE_DECISION == "cuda" and rows.is_cuda)
 
 
 def _nonfinite_rows(host: torch.Tensor, n: int) -> list:
@@ -45,13 +64,18 @@ class Copy:
         # [stamps counted on the host] in csrc/monitor/stamp_rows.cpp).
         self.marks: list = []
         self.stamped = 0
+        # Decided on the device (Note [a clean read comes back as one number]): the rows, left there;
+        # ``rows`` is then the summary in flight ([non-finite count, scalars...]).
+        self.device_rows: Optional[torch.Tensor] = None
+        self.read_back_bytes = 0  # what the host copied back (the summary, and the rows if they came)
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,
-              window_rows: int = 0) -> "Copy":
+              window_rows: int = 0, rows_wanted: bool = True) -> "Copy":
         """Stack ``blocks`` (``[k, RECORD_SIZE]`` records of ``slots``, in order), the ``extras``
         (``(name, one-element tensor)``) and the compiled rows (sub-windows of ``window_rows``
-        rows), and start the copy."""
+        rows), and start the copy. ``rows_wanted`` False: no consumer needs the rows of a clean read
+        (Note [a clean read comes back as one number])."""
         parts = []
         # Rows are RECORD_SIZE wide, COLUMNS when the compiled path's rows join them (each op here
         # costs host time: one cat of the records, a pad only when the widths differ).
@@ -72,6 +96,11 @@ class Copy:
         device = parts[0].device
         parts = [p if p.device == device else p.to(device, non_blocking=True) for p in parts]  # a stray CPU row
         rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        device_rows = None
+        if not rows_wanted and traced is None and _decided_on_device(rows):
+            n = len(slots)  # (the records; the scalars' rows follow them)
+            device_rows = rows
+            rows = torch.cat([rows[:n, :3].sum().reshape(1), rows[n:, 0]])
         event = None
         if rows.is_cuda and non_blocking:
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -81,6 +110,7 @@ class Copy:
             rows = host
         copy = cls(rows, event, slots, names, n_traced, handled, step)
         copy.window_rows = window_rows or n_traced
+        copy.device_rows = device_rows
         return copy
 
     def wait(self) -> None:
@@ -90,8 +120,16 @@ class Copy:
         if self.rows is None:
             return
         host = self.rows.cpu()
-        self.host = host
+        self.read_back_bytes = host.numel() * host.element_size()
         n, e = len(self.slots), len(self.extra_names)
+        if self.device_rows is not None:  # decided on the device: [non-finite count, scalars...]
+            summary = host.tolist()
+            if e:
+                self.extras = dict(zip(self.extra_names, summary[1:1 + e]))
+            if summary[0] > 0:  # something is non-finite: the rows, to find which
+                self.bad = set(_nonfinite_rows(self._fetch_rows(), n))
+            return
+        self.host = host
         self.bad = set(_nonfinite_rows(host, n))
         if e:
             self.extras = dict(zip(self.extra_names, host[n:n + e, 0].tolist()))
@@ -102,6 +140,14 @@ class Copy:
                 written = torch.nonzero(block[:, SEQ] > 0).flatten().tolist()
                 self.traced.append(list(zip(written, block[written].tolist())) if written else [])
 
+    def _fetch_rows(self) -> torch.Tensor:
+        """The rows of a read decided on the device, copied now (once)."""
+        if self.host is None:
+            self.host = self.device_rows.cpu()
+            self.read_back_bytes += self.host.numel() * self.host.element_size()
+        return self.host
+
     def row(self, i: int) -> list:
         """Slot ``i``'s record as Python floats."""
-        return self.host[i, :RECORD_SIZE].tolist()
+        host = self.host if self.host is not None else self._fetch_rows()
+        return host[i, :RECORD_SIZE].tolist()

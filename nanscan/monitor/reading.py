@@ -76,13 +76,14 @@ class Reading:
         self.clip_norms.append((local() if callable(local) else total_norm).detach())
 
     def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, scalars: bool, scale,
-               found_inf, handled: bool, final: bool, non_blocking: bool, steplog) -> Copy:
+               found_inf, handled: bool, final: bool, non_blocking: bool, steplog, rows_wanted: bool = True) -> Copy:
         """Start the copy of a training read of ``step``: everything recorded since the last read
         (see the module docstring). ``grads``: the parameter gradients are read too (``explained``:
         with their inputs, see :meth:`ModelTensors.grad_block`); ``scalars``: the step's loss scale
         (``scale``: GradScaler's scale tensor, or None) and clip norm ride along (not in what close
         reads of a step that ended already); so does ``found_inf``; ``handled``: GradScaler skipped
-        the update."""
+        the update; ``rows_wanted`` False: no consumer needs a clean read's rows (Note [a clean read
+        comes back as one number] in :mod:`~nanscan.monitor.readback`)."""
         slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
         marks = _pairs(self.window.taken_marks())  # (entry, host stamp count) where the count moved
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
@@ -123,7 +124,7 @@ class Reading:
                 [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
             extras.append(("clip_norm", total))
         copy = Copy.start(blocks, slots, extras, traced.window(), handled=handled, step=step,
-                          non_blocking=non_blocking, window_rows=len(traced.rows))
+                          non_blocking=non_blocking, window_rows=len(traced.rows), rows_wanted=rows_wanted)
         copy.recorded_forward = recorded_forward
         copy.final = final
         copy.grad_start = grad_start
@@ -137,7 +138,7 @@ class Reading:
         hooks.reset("eval")
         if not blocks:
             return None
-        copy = Copy.start(blocks, slots, [], None, handled=False, step=step, non_blocking=False)
+        copy = Copy.start(blocks, slots, [], None, handled=False, step=step, non_blocking=False, rows_wanted=False)
         copy.eval = True
         return copy
 

@@ -1,0 +1,190 @@
+"""A clean read comes back as one number (Note [a clean read comes back as one number] in
+nanscan/monitor/readback.py): where no consumer needs the rows, the read is decided on the device
+and the host copies back the non-finite count and the read's scalars -- a few bytes whatever the
+number of records --; a non-finite record anywhere still brings the rows back and yields the same
+incident as the host's decision. The device path runs here on CPU rows (``DEVICE_DECISION =
+"always"``): it is the same torch code a GPU runs."""
+import pytest
+import torch
+from torch import nn
+
+import nanscan
+from nanscan.monitor import readback
+from nanscan.record import RECORD_SIZE
+
+NAN = float("nan")
+
+
+def key(inc):
+    return (inc.step, inc.phase, inc.name, inc.kind, inc.produced)
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """Every landed Copy of the test, in order."""
+    landed = []
+    wait = readback.Copy.wait
+
+    def recording(self):
+        wait(self)
+        landed.append(self)
+
+    monkeypatch.setattr(readback.Copy, "wait", recording)
+    return landed
+
+
+def deep(n: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n)])
+
+
+def train(model, steps=3, plant=None, **options):
+    """A plain loop; ``plant(model, step, loss)`` may break something: called before the forward
+    (``loss`` None) and after it (it returns the loss to use)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record", **options)
+    with mon:
+        for i in range(steps):
+            if plant is not None:
+                plant(model, i, None)
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            if plant is not None:
+                loss = plant(model, i, loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return mon
+
+
+@pytest.mark.parametrize("layers", [4, 60])
+def test_a_clean_step_reads_back_the_count_and_nothing_else(monkeypatch, copies, layers):
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    mon = train(deep(layers))
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    training = [c for c in copies if c.slots and not c.final]  # (close reads the last update's parameters)
+    assert len(training) == 3
+    for c in training:
+        records = len(c.slots)
+        assert records >= 6 * layers  # (outputs, their gradients, parameters, gradients)
+        assert c.device_rows is not None and c.host is None
+        assert c.read_back_bytes == 8 * (1 + len(c.extra_names))  # not 8 * RECORD_SIZE * records
+
+
+def test_on_the_cpu_the_host_decides_as_before(copies):
+    mon = train(deep(4))
+    assert mon.incidents == []
+    for c in copies:
+        assert c.device_rows is None
+        if c.slots:
+            assert c.host is not None and c.read_back_bytes == c.host.numel() * 8 >= len(c.slots) * RECORD_SIZE * 8
+
+
+def _activation(model, step, loss):
+    if step == 1 and loss is None:
+        with torch.no_grad():
+            model[2][0].weight[0, 0] = NAN
+    return loss
+
+
+def _loss(model, step, loss):
+    return loss * NAN if step == 1 and loss is not None else loss
+
+
+def _gradient(model, step, loss):
+    if step != 1 or loss is None:
+        return loss
+
+    class NanGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * NAN
+
+    return NanGrad.apply(loss)
+
+
+@pytest.mark.parametrize("plant", [_activation, _loss, _gradient])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decision(monkeypatch, copies, plant,
+                                                                                     mode):
+    results = {}
+    for where in ("never", "always"):
+        monkeypatch.setattr(readback, "DEVICE_DECISION", where)
+        copies.clear()
+        mon = train(deep(6), steps=4, plant=plant, mode=mode)
+        results[where] = ([key(i) for i in mon.incidents], dict(mon.offenders), mon.ledger.applied,
+                          mon.ledger.attempted)
+        if where == "always":
+            failing = [c for c in copies if c.bad]
+            assert failing and all(c.host is not None for c in failing)  # the rows came back to say which
+            assert all(c.host is None for c in copies if c.slots and not c.bad)  # ... only for them
+    assert results["always"][0], "the planted fault was not found"
+    assert results["always"] == results["never"]
+
+
+def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
+    # GradScaler's scale is read with the count: the same scale history, the same skipped updates
+    # and incidents as the host's decision.
+    histories = {}
+    for where in ("never", "always"):
+        monkeypatch.setattr(readback, "DEVICE_DECISION", where)
+        torch.manual_seed(0)
+        model = deep(3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)  # the first steps' scaled grads overflow
+        with nanscan.watch(model, opt, scaler, on_nonfinite="record") as mon:
+            for _ in range(4):
+                scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+        histories[where] = (list(mon.ledger.scale_history), mon.ledger.applied, [key(i) for i in mon.incidents])
+        read = [c for c in copies if "scale" in c.extra_names]
+        assert read and all((c.device_rows is not None) == (where == "always") for c in read)
+        copies.clear()
+    assert histories["always"] == histories["never"]
+    assert histories["always"][0][0] == (0, 2.0 ** 126)
+
+
+def test_a_consumer_of_the_rows_gets_them(monkeypatch, copies, tmp_path):
+    # a step log reads every step's loss and gradient norm from the rows: they come back whole
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    log = tmp_path / "steps.jsonl"
+    mon = train(deep(4), log=str(log))
+    assert mon.incidents == []
+    training = [c for c in copies if c.slots]
+    assert training and all(c.device_rows is None and c.host is not None for c in training)
+    assert log.read_text().count("\n") >= 3
+
+
+def test_a_row_asked_of_a_clean_read_is_copied_then(monkeypatch, copies):
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    train(deep(2), steps=1)
+    clean = next(c for c in copies if c.slots)
+    assert clean.host is None
+    before = clean.read_back_bytes
+    row = clean.row(0)
+    assert len(row) == RECORD_SIZE and row[0] + row[1] + row[2] == 0
+    assert clean.read_back_bytes == before + clean.host.numel() * 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: the default decides on the device there")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_on_a_gpu_the_default_decides_on_the_device(copies, mode):
+    model = deep(6).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt, on_nonfinite="record", mode=mode) as mon:
+        for i in range(4):
+            if i == 2:
+                with torch.no_grad():
+                    model[3][0].weight[0, 0] = NAN
+            model(torch.randn(4, 8, device="cuda")).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert key(mon.incident) == (2, "forward", "3.0", "activation", True)
+    clean = [c for c in copies if c.slots and not c.bad]
+    assert clean and all(c.device_rows is not None and c.host is None and c.read_back_bytes == 8 * (
+        1 + len(c.extra_names)) for c in clean)
