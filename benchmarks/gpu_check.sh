@@ -6,8 +6,9 @@
 #
 # HOW TO RUN IT (device tool `run`, from the repository root):
 #   1. command: bash benchmarks/gpu_check.sh --part 1        timeout_s: 570
-#      Build, tests/test_cuda.py (its >2**31-element case included), launch counts, kernel
-#      benchmarks, host cost on CUDA, the monitor benchmarks eager / compiled, results.md.
+#      Build, tests/test_cuda.py (its >2**31-element case included), launch counts, the step
+#      profile (benchmarks/step_profile.py), kernel benchmarks, host cost on CUDA, the monitor
+#      benchmarks eager / compiled, results.md.
 #      Fits a 520 s deadline (check here: `bash benchmarks/gpu_check.sh --part 1 --plan`).
 #   2. At once, on the warm machine, with what is left of the device time (status: budget_left_s):
 #      command: NANSCAN_GPU_DEADLINE=<budget_left_s - 60, at most 520> bash benchmarks/gpu_check.sh --part 2
@@ -52,6 +53,7 @@ PART1_STAGES=(
   "build|240|60|110"
   "cuda_tests|90|30|40"
   "launch_counts|45|10|10"
+  "step_profile|60|25|40"
   "bench_kernels|150|40|70"
   "host_cost|90|20|30"
   "bench_monitor|240|60|180"
@@ -163,6 +165,13 @@ if [ "$PART" = 1 ]; then
 
   run_limited launch_counts python3 -m benchmarks.launch_counts --json "$OUT/launches.json" 2>&1 | tee -a "$LOG"
   done_stage launch_counts "${PIPESTATUS[0]}"
+
+  # What a watched step asks of the device and the host (launches, memcpys, syncs, pinned
+  # allocations, nanscan ops), unwatched / sync / async / the read decided on the host, and their
+  # interleaved timing: before the benchmarks, so that a short run still says why.
+  run_limited step_profile python3 -m benchmarks.step_profile --steps 5 --warmup 3 --rounds 10 --out "$OUT" 2>&1 \
+    | grep -v '^USDT:' | tee -a "$LOG"
+  done_stage step_profile "${PIPESTATUS[0]}"
 
   run_limited bench_kernels python3 -m pytest -q benchmarks/bench_summarize.py "${BENCH[@]}" \
     --benchmark-json="$OUT/bench-kernels.json" 2>&1 | tee -a "$BENCH_LOG"

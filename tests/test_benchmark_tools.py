@@ -194,3 +194,19 @@ def test_gpu_tests_plan_schedules_the_whole_suite_and_says_whether_it_fits(capsy
     rows, makespan = gpu_tests.schedule(["a", "b", "c"], 2)  # (each estimated at DEFAULT_ESTIMATE)
     d = gpu_tests.DEFAULT_ESTIMATE
     assert [(s, e) for _, s, e in rows] == [(0, d), (0, d), (d, 2 * d)] and makespan == 2 * d
+
+
+def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_path, capsys):
+    from benchmarks import step_profile
+
+    assert step_profile.main(["--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())
+    counts, timing = result["counts"], result["timing"]
+    assert list(counts) == list(step_profile.VARIANTS) == list(timing)
+    assert counts["unwatched"]["nanscan_ops"] == 0  # (no monitor, no record)
+    assert all(counts[v]["nanscan_ops"] > 0 for v in step_profile.VARIANTS if v != "unwatched")
+    assert timing["unwatched"]["ratio"] == 1.0 and all(timing[v]["wall_ms"] > 0 for v in timing)
+    ops = (tmp_path / "profile-ops.txt").read_text()
+    assert all(f"== {v}:" in ops for v in step_profile.VARIANTS)
+    table = (tmp_path / "profile.md").read_text()
+    assert "| nanscan_ops |" in table and table in capsys.readouterr().out

@@ -1,0 +1,206 @@
+"""What one training step asks of the device and the host, watched and unwatched: a profile per
+variant (torch.profiler, CUDA activity where there is a GPU), counted per step, and the A/B of the
+read's two decisions in one process.
+
+Variants, on the monitor benchmark's model (``benchmarks/bench_monitor.py``: GPT-2-small in bf16
+autocast on a GPU, the 4-layer GPT here):
+
+- ``unwatched``: the plain step;
+- ``sync`` / ``async``: ``nanscan.watch(model, opt, mode=...)``, every step checked;
+- ``sync, host decides``: the sync read with ``readback.DEVICE_DECISION = "never"`` -- the read as
+  it was before a clean read came back as one number (Note [a clean read comes back as one
+  number]), so the two read paths are compared in one process.
+
+Per step, from the profile (``--steps`` steps after ``--warmup``): kernel launches
+(``cudaLaunchKernel`` / ``cuLaunchKernel`` / ``cudaLaunchKernelExC`` runtime calls), memcpys (device
+memcpy activity by direction), synchronizations (``cudaStreamSynchronize`` / ``cudaEventSynchronize``
+/ ``cudaDeviceSynchronize``), pinned host allocations (``cudaHostAlloc``, and the growth of
+``torch.cuda.host_memory_stats()``'s allocations), nanscan op calls (``nanscan::`` ops seen by the
+dispatcher) and ``aten::cat`` / ``aten::copy_`` calls; the top host ops by self CPU time of each
+variant go to ``profile-ops.txt``. Then every variant is timed round by round, interleaved (``--rounds``),
+CUDA events beside wall time on a GPU; ratios are to the unwatched step of the same round.
+
+    python -m benchmarks.step_profile [--steps 5] [--warmup 3] [--rounds 10] [--out DIR]
+
+On this CPU the counts of CUDA runtime calls are 0 (no CUDA path runs): what is here is the op
+counts and the timing; the GPU check (``benchmarks/gpu_check.sh`` part 1) runs it on the H200.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import nanscan
+from benchmarks.bench_monitor import DEVICE, NAME, make, step
+from nanscan.monitor import readback
+
+VARIANTS = ("unwatched", "sync", "async", "sync, host decides")
+
+LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+SYNC = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+HOST_ALLOC = ("cudaHostAlloc", "cudaMallocHost")
+
+
+@contextlib.contextmanager
+def variant(name: str, model, opt):
+    """The monitor (or none) of a variant, open for the body."""
+    if name == "unwatched":
+        yield
+        return
+    decision = readback.DEVICE_DECISION
+    readback.DEVICE_DECISION = "never" if name == "sync, host decides" else decision
+    mode = "async" if name == "async" else "sync"
+    try:
+        with nanscan.watch(model, opt, mode=mode):
+            yield
+    finally:
+        readback.DEVICE_DECISION = decision
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _host_allocations() -> int:
+    if DEVICE != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return 0
+    stats = torch.cuda.host_memory_stats()
+    return int(stats.get("num_host_alloc", stats.get("allocation.all.allocated", 0)))
+
+
+def count(events, steps: int) -> dict:
+    """Per-step counts from a profile's events."""
+    per = {"launches": 0, "syncs": 0, "pinned_allocs": 0, "memcpy_DtoH": 0, "memcpy_HtoD": 0, "memcpy_DtoD": 0,
+           "nanscan_ops": 0, "aten_cat": 0, "aten_copy_": 0, "device_kernels": 0}
+    for e in events:
+        name = e.name
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if "Memcpy" in name or "memcpy" in name:
+                for direction in ("DtoH", "HtoD", "DtoD"):
+                    if direction in name:
+                        per[f"memcpy_{direction}"] += 1
+            else:
+                per["device_kernels"] += 1
+            continue
+        if name in LAUNCH:
+            per["launches"] += 1
+        elif name in SYNC:
+            per["syncs"] += 1
+        elif name in HOST_ALLOC:
+            per["pinned_allocs"] += 1
+        elif name.startswith("nanscan::"):
+            per["nanscan_ops"] += 1
+        elif name == "aten::cat":
+            per["aten_cat"] += 1
+        elif name == "aten::copy_":
+            per["aten_copy_"] += 1
+    return {k: v / steps for k, v in per.items()}
+
+
+def profile(name: str, steps: int, warmup: int, out_dir) -> dict:
+    model, opt, idx = make()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with variant(name, model, opt):
+        for _ in range(warmup):
+            step(model, opt, idx)
+        _sync()
+        allocs = _host_allocations()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step(model, opt, idx)
+            _sync()
+        result = count(prof.events(), steps)
+        result["host_allocs_growth"] = (_host_allocations() - allocs) / steps
+    if out_dir:  # (one file for every variant: the GPU check brings back at most 8 files a part)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        with open(os.path.join(out_dir, "profile-ops.txt"), "a") as f:
+            f.write(f"== {name}: {steps} steps of {NAME} on {DEVICE}\n{table}\n")
+    return result
+
+
+def timed(rounds: int, steps: int, warmup: int) -> dict:
+    """Every variant round by round, interleaved: per variant, the medians of its wall (and GPU)
+    time per step, and the median of its ratio to the unwatched step of the same round."""
+    model, opt, idx = make()
+    wall = {v: [] for v in VARIANTS}
+    gpu = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for name in VARIANTS:
+            with variant(name, model, opt):
+                for _ in range(warmup):
+                    step(model, opt, idx)
+                _sync()
+                start_event = end_event = None
+                if DEVICE == "cuda":
+                    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start_event.record()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(model, opt, idx)
+                if end_event is not None:
+                    end_event.record()
+                _sync()
+                wall[name].append((time.perf_counter() - t0) / steps * 1e3)
+                if end_event is not None:
+                    gpu[name].append(start_event.elapsed_time(end_event) / steps)
+    result = {}
+    for name in VARIANTS:
+        ratios = [w / u for w, u in zip(wall[name], wall["unwatched"])]
+        result[name] = {"wall_ms": statistics.median(wall[name]), "ratio": statistics.median(ratios),
+                        "ratio_range": [min(ratios), max(ratios)]}
+        if gpu[name]:
+            gpu_ratios = [g / u for g, u in zip(gpu[name], gpu["unwatched"])]
+            result[name].update(gpu_ms=statistics.median(gpu[name]), gpu_ratio=statistics.median(gpu_ratios))
+    return result
+
+
+def markdown(counts: dict, timing: dict) -> str:
+    keys = list(next(iter(counts.values())))
+    lines = [f"Per step, {NAME} on {DEVICE} (benchmarks/step_profile.py)", "",
+             "| | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(f"{counts[v][k]:g}" for v in VARIANTS) + " |")
+    for k in ("wall_ms", "ratio", "gpu_ms", "gpu_ratio"):
+        if all(k in timing[v] for v in VARIANTS):
+            lines.append(f"| {k} (median) | " + " | ".join(f"{timing[v][k]:.3f}" for v in VARIANTS) + " |")
+    lines.append("| ratio range | " + " | ".join(
+        f"{timing[v]['ratio_range'][0]:.2f} -- {timing[v]['ratio_range'][1]:.2f}" for v in VARIANTS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", default=None, help="a directory for profile-ops.txt, profile.json and profile.md")
+    args = parser.parse_args(argv)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        open(os.path.join(args.out, "profile-ops.txt"), "w").close()
+    counts = {name: profile(name, args.steps, args.warmup, args.out) for name in VARIANTS}
+    timing = timed(args.rounds, args.steps, args.warmup) if args.rounds > 0 else {
+        v: {"wall_ms": float("nan"), "ratio": float("nan"), "ratio_range": [float("nan")] * 2} for v in VARIANTS}
+    text = markdown(counts, timing)
+    print(text)
+    if args.out:
+        with open(os.path.join(args.out, "profile.json"), "w") as f:
+            json.dump({"device": DEVICE, "model": NAME, "torch": torch.__version__, "counts": counts,
+                       "timing": timing}, f, indent=1)
+        with open(os.path.join(args.out, "profile.md"), "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
