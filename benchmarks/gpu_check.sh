@@ -14,7 +14,8 @@
 #      command: NANSCAN_GPU_DEADLINE=<budget_left_s - 60, at most 520> bash benchmarks/gpu_check.sh --part 2
 #      timeout_s: that deadline + 40. The whole suite, file by file, 6 files at once, each test at
 #      most 90 s (benchmarks/gpu_tests.py: a crashing or hung test is named and the file goes on
-#      after it), then the CUDA-graph monitor benchmark if time is left. It rebuilds first only if
+#      after it) after the traffic account of GPT-2-small's step (benchmarks/traffic.py), then the
+#      CUDA-graph monitor benchmark if time is left. It rebuilds first only if
 #      the machine is a fresh one. `--plan` shows the suite's schedule against the deadline.
 #   3. give_back, then commit what came back under benchmarks/results/<date>-h200/ (p1/, p2/):
 #      every file, plus <date>-h200.md (the tables) and the numbers in benchmarks/README.md and the
@@ -69,6 +70,7 @@ suite_estimate() {
 }
 PART2_STAGES=(
   "build_if_fresh|240|60|0"
+  "traffic|60|20|30"
   "suite|520|60|$(suite_estimate)"
   "bench_cudagraphs|150|40|90"
   "table|20|2|2"
@@ -194,6 +196,12 @@ else
   fi
   done_stage build_if_fresh "$status"
   [ "$status" -ne 0 ] && { echo "build failed (status $status): nothing else runs" | tee -a "$LOG"; exit 1; }
+
+  # The traffic account of GPT-2-small's watched step (bf16): bytes by kind, op calls and the
+  # launches they imply against the profiler's count, syncs, bytes read back, the time added.
+  run_limited traffic python3 -m benchmarks.traffic --device cuda --layers 12 --d 768 --heads 12 --vocab 50257 \
+    --seq 512 --batch 8 --autocast bf16 --rounds 5 --json "$OUT/traffic.json" 2>&1 | tee -a "$LOG"
+  done_stage traffic "${PIPESTATUS[0]}"
 
   # The whole suite with CUDA available: each file in its own process, SUITE_JOBS at once, each
   # test at most SUITE_TEST_TIMEOUT s, ended at the stage's budget (benchmarks/gpu_tests.py).
