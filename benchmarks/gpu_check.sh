@@ -7,8 +7,8 @@
 # HOW TO RUN IT (device tool `run`, from the repository root):
 #   1. command: bash benchmarks/gpu_check.sh --part 1        timeout_s: 570
 #      Build, tests/test_cuda.py (its >2**31-element case included), launch counts, the step
-#      profile (benchmarks/step_profile.py), kernel benchmarks, host cost on CUDA, the monitor
-#      benchmarks eager / compiled, results.md.
+#      profile of GPT-2-small (benchmarks/step_profile.py), kernel benchmarks, host cost on CUDA,
+#      the monitor benchmarks eager / compiled, the step profile of a 1.1B Llama, results.md.
 #      Fits a 520 s deadline (check here: `bash benchmarks/gpu_check.sh --part 1 --plan`).
 #   2. At once, on the warm machine, with what is left of the device time (status: budget_left_s):
 #      command: NANSCAN_GPU_DEADLINE=<budget_left_s - 60, at most 520> bash benchmarks/gpu_check.sh --part 2
@@ -27,7 +27,10 @@
 # crash ends one test, never the run; its tests.md names every failed, crashed and timed-out test,
 # and its deadline is the stage's. Benchmark output is tee'd as it is produced; results.md is
 # written as soon as the benchmarks it tabulates end. Stages run in order of value. $OUT gets at
-# most 8 files per part (the device tool's limit).
+# most 8 files per part (the device tool's limit): part 1 check-1.log (every stage's output),
+# tests.log / .md, profile.json, profile-llama.json, bench-kernels.json, bench-monitor.json,
+# results.md (the tests' tests.json is removed: tests.md holds the same); part 2
+# check-2.log, tests.log / .md / .json, traffic.json, bench-cudagraphs.json, results.md.
 #
 #   bash benchmarks/gpu_check.sh --part 1|2 [--plan]      (OUT=... optional)
 set -uo pipefail
@@ -54,10 +57,11 @@ PART1_STAGES=(
   "build|240|60|110"
   "cuda_tests|90|30|40"
   "launch_counts|45|10|10"
-  "step_profile|60|25|40"
+  "step_profile|60|25|30"
   "bench_kernels|150|40|70"
   "host_cost|90|20|30"
   "bench_monitor|240|60|180"
+  "llama_profile|90|30|40"
   "table|20|2|2"
 )
 # The suite's estimate is benchmarks/gpu_tests.py's plan for SUITE_JOBS processes (its ESTIMATES).
@@ -103,7 +107,7 @@ fi
 OUT=${OUT:-$(mktemp -d)}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} NANSCAN_CUDA=1
 LOG="$OUT/check-$PART.log"; : > "$LOG"
-BENCH_LOG="$OUT/bench-$PART.log"; : > "$BENCH_LOG"
+BENCH_LOG="$LOG"  # (one log a part: $OUT brings back at most 8 files)
 BENCH=(-p no:cacheprovider --benchmark-min-rounds=5 --benchmark-max-time=0.5 --benchmark-columns=median,rounds)
 PYTEST_REPORT=(-rfE --tb=short --durations=20 -p no:cacheprovider)
 t_stage=$(date +%s)
@@ -159,20 +163,23 @@ if [ "$PART" = 1 ]; then
     exit 1
   fi
 
-  # The GPU-only tests first (its >2**31-element case included), each in its own process: a crash
-  # names its test and the rest still run.
-  run_limited cuda_tests python3 -m benchmarks.gpu_tests tests/test_cuda.py --jobs 1 \
+  # The GPU-only tests first (test_cuda's >2**31-element case included; the clean read decided on
+  # the device; the traffic account's launches against the profiler's), each file in its own
+  # process: a crash names its test and the rest still run.
+  run_limited cuda_tests python3 -m benchmarks.gpu_tests tests/test_cuda.py tests/test_clean_read.py \
+    tests/test_traffic.py --jobs 1 \
     --per-test-timeout "$SUITE_TEST_TIMEOUT" --deadline "$(( $(budget cuda_tests) - 15 ))" --out "$OUT" 2>&1 | tee -a "$LOG"
   done_stage cuda_tests "${PIPESTATUS[0]}"
+  rm -f "$OUT/tests.json"  # (tests.md says the same; $OUT brings back at most 8 files)
 
-  run_limited launch_counts python3 -m benchmarks.launch_counts --json "$OUT/launches.json" 2>&1 | tee -a "$LOG"
+  run_limited launch_counts python3 -m benchmarks.launch_counts 2>&1 | tee -a "$LOG"  # (its table, in the log)
   done_stage launch_counts "${PIPESTATUS[0]}"
 
   # What a watched step asks of the device and the host (launches, memcpys, syncs, pinned
   # allocations, nanscan ops), unwatched / sync / async / the read decided on the host, and their
   # interleaved timing: before the benchmarks, so that a short run still says why.
-  run_limited step_profile python3 -m benchmarks.step_profile --steps 5 --warmup 3 --rounds 10 --out "$OUT" 2>&1 \
-    | grep -v '^USDT:' | tee -a "$LOG"
+  run_limited step_profile python3 -m benchmarks.step_profile --steps 5 --warmup 3 --rounds 8 \
+    --json "$OUT/profile.json" 2>&1 | grep -v '^USDT:' | tee -a "$LOG"
   done_stage step_profile "${PIPESTATUS[0]}"
 
   run_limited bench_kernels python3 -m pytest -q benchmarks/bench_summarize.py "${BENCH[@]}" \
@@ -185,6 +192,12 @@ if [ "$PART" = 1 ]; then
   run_limited bench_monitor python3 -m pytest -q benchmarks/bench_monitor.py -k "not reduce-overhead" "${BENCH[@]}" \
     --benchmark-json="$OUT/bench-monitor.json" 2>&1 | tee -a "$BENCH_LOG"
   done_stage bench_monitor "${PIPESTATUS[0]}"
+
+  # The compute-bound common case: a 1.1B Llama (TinyLlama's shape, bf16, seq 2048), eager, the
+  # same variants and counts (its JSON rides in profile.json's place when the GPT one is missing).
+  run_limited llama_profile python3 -m benchmarks.step_profile --model llama-1b --steps 2 --warmup 2 --rounds 5 \
+    --json "$OUT/profile-llama.json" 2>&1 | grep -v '^USDT:' | tee -a "$LOG"
+  done_stage llama_profile "${PIPESTATUS[0]}"
 
   table "$OUT/results.md" "$OUT/bench-kernels.json" "$OUT/bench-monitor.json"
   done_stage table 0

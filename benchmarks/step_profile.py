@@ -16,11 +16,16 @@ Per step, from the profile (``--steps`` steps after ``--warmup``): kernel launch
 memcpy activity by direction), synchronizations (``cudaStreamSynchronize`` / ``cudaEventSynchronize``
 / ``cudaDeviceSynchronize``), pinned host allocations (``cudaHostAlloc``, and the growth of
 ``torch.cuda.host_memory_stats()``'s allocations), nanscan op calls (``nanscan::`` ops seen by the
-dispatcher) and ``aten::cat`` / ``aten::copy_`` calls; the top host ops by self CPU time of each
-variant go to ``profile-ops.txt``. Then every variant is timed round by round, interleaved (``--rounds``),
-CUDA events beside wall time on a GPU; ratios are to the unwatched step of the same round.
+dispatcher) and ``aten::cat`` / ``aten::copy_`` calls. Then every variant is timed round by round,
+interleaved (``--rounds``), CUDA events beside wall time on a GPU; ratios are to the unwatched step
+of the same round. The top host ops by self CPU time of each variant are printed, and everything
+goes to ``--json``.
 
-    python -m benchmarks.step_profile [--steps 5] [--warmup 3] [--rounds 10] [--out DIR]
+    python -m benchmarks.step_profile [--model gpt|llama-1b] [--steps 5] [--warmup 3] [--rounds 10] [--json FILE]
+
+``--model llama-1b``: TinyLlama-1.1B's shape through transformers' ``LlamaForCausalLM`` (bf16
+autocast, seq 2048, batch 4 on a GPU; a 2-layer narrow one here), the loss computed by the model:
+the compute-bound common case beside GPT-2-small's host-bound one.
 
 On this CPU the counts of CUDA runtime calls are 0 (no CUDA path runs): what is here is the op
 counts and the timing; the GPU check (``benchmarks/gpu_check.sh`` part 1) runs it on the H200.
@@ -30,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,8 +42,56 @@ import time
 import torch
 
 import nanscan
-from benchmarks.bench_monitor import DEVICE, NAME, make, step
+from benchmarks import bench_monitor
+from benchmarks.bench_monitor import DEVICE
 from nanscan.monitor import readback
+
+
+class Workload:
+    """A model, its optimizer, its batch and its training step (the plain loop: no ``mon.step``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "gpt":  # the monitor benchmark's (GPT-2-small bf16 on a GPU, the 4-layer GPT here)
+            self.label = bench_monitor.NAME
+            self.model, self.opt, self.batch = bench_monitor.make()
+            self._step = bench_monitor.step
+        elif name == "llama-1b":
+            self._make_llama()
+        else:
+            raise ValueError(f"step_profile: unknown model {name!r} (accepted: gpt, llama-1b)")
+
+    def _make_llama(self) -> None:
+        # TinyLlama-1.1B's shape (RMSNorm, SwiGLU, RoPE, grouped-query attention), bf16 autocast,
+        # seq 2048 on a GPU: the compute-bound case. Here (CPU) a few-layer, narrow one of the same code.
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        gpu = DEVICE == "cuda"
+        config = LlamaConfig(
+            hidden_size=2048 if gpu else 128, intermediate_size=5632 if gpu else 352,
+            num_hidden_layers=22 if gpu else 2, num_attention_heads=32 if gpu else 4,
+            num_key_value_heads=4 if gpu else 2, vocab_size=32000 if gpu else 1000,
+            max_position_embeddings=2048, attn_implementation="sdpa")
+        seq, batch = (2048, 4) if gpu else (64, 2)
+        torch.manual_seed(0)
+        self.model = LlamaForCausalLM(config).to(DEVICE)
+        params = sum(p.numel() for p in self.model.parameters())
+        self.label = f"llama {params / 1e9:.2f}B bf16, seq {seq}, batch {batch}"
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.batch = torch.randint(0, config.vocab_size, (batch, seq), device=DEVICE)
+
+        def step(model, opt, ids):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=gpu):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        self._step = step
+
+    def step(self):
+        return self._step(self.model, self.opt, self.batch)
 
 VARIANTS = ("unwatched", "sync", "async", "sync, host decides")
 
@@ -105,40 +157,38 @@ def count(events, steps: int) -> dict:
     return {k: v / steps for k, v in per.items()}
 
 
-def profile(name: str, steps: int, warmup: int, out_dir) -> dict:
-    model, opt, idx = make()
+def profile(work: Workload, name: str, steps: int, warmup: int) -> dict:
+    model, opt = work.model, work.opt
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with variant(name, model, opt):
         for _ in range(warmup):
-            step(model, opt, idx)
+            work.step()
         _sync()
         allocs = _host_allocations()
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(steps):
-                step(model, opt, idx)
+                work.step()
             _sync()
         result = count(prof.events(), steps)
         result["host_allocs_growth"] = (_host_allocations() - allocs) / steps
-    if out_dir:  # (one file for every variant: the GPU check brings back at most 8 files a part)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        with open(os.path.join(out_dir, "profile-ops.txt"), "a") as f:
-            f.write(f"== {name}: {steps} steps of {NAME} on {DEVICE}\n{table}\n")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    result["top_host_ops"] = f"== {name}: {steps} steps of {work.label} on {DEVICE}\n{table}\n"
     return result
 
 
-def timed(rounds: int, steps: int, warmup: int) -> dict:
+def timed(work: Workload, rounds: int, steps: int, warmup: int) -> dict:
     """Every variant round by round, interleaved: per variant, the medians of its wall (and GPU)
     time per step, and the median of its ratio to the unwatched step of the same round."""
-    model, opt, idx = make()
+    model, opt = work.model, work.opt
     wall = {v: [] for v in VARIANTS}
     gpu = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for name in VARIANTS:
             with variant(name, model, opt):
                 for _ in range(warmup):
-                    step(model, opt, idx)
+                    work.step()
                 _sync()
                 start_event = end_event = None
                 if DEVICE == "cuda":
@@ -146,7 +196,7 @@ def timed(rounds: int, steps: int, warmup: int) -> dict:
                     start_event.record()
                 t0 = time.perf_counter()
                 for _ in range(steps):
-                    step(model, opt, idx)
+                    work.step()
                 if end_event is not None:
                     end_event.record()
                 _sync()
@@ -164,9 +214,9 @@ def timed(rounds: int, steps: int, warmup: int) -> dict:
     return result
 
 
-def markdown(counts: dict, timing: dict) -> str:
+def markdown(label: str, counts: dict, timing: dict) -> str:
     keys = list(next(iter(counts.values())))
-    lines = [f"Per step, {NAME} on {DEVICE} (benchmarks/step_profile.py)", "",
+    lines = [f"Per step, {label} on {DEVICE} (benchmarks/step_profile.py)", "",
              "| | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
     for k in keys:
         lines.append(f"| {k} | " + " | ".join(f"{counts[v][k]:g}" for v in VARIANTS) + " |")
@@ -180,25 +230,24 @@ def markdown(counts: dict, timing: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt", help="gpt (the monitor benchmark's) or llama-1b")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--out", default=None, help="a directory for profile-ops.txt, profile.json and profile.md")
+    parser.add_argument("--json", default=None, help="a file for everything: counts, timing, top host ops")
     args = parser.parse_args(argv)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        open(os.path.join(args.out, "profile-ops.txt"), "w").close()
-    counts = {name: profile(name, args.steps, args.warmup, args.out) for name in VARIANTS}
-    timing = timed(args.rounds, args.steps, args.warmup) if args.rounds > 0 else {
+    work = Workload(args.model)
+    counts = {name: profile(work, name, args.steps, args.warmup) for name in VARIANTS}
+    ops = {name: counts[name].pop("top_host_ops") for name in VARIANTS}
+    timing = timed(work, args.rounds, args.steps, args.warmup) if args.rounds > 0 else {
         v: {"wall_ms": float("nan"), "ratio": float("nan"), "ratio_range": [float("nan")] * 2} for v in VARIANTS}
-    text = markdown(counts, timing)
+    text = markdown(work.label, counts, timing)
+    print("".join(ops.values()))
     print(text)
-    if args.out:
-        with open(os.path.join(args.out, "profile.json"), "w") as f:
-            json.dump({"device": DEVICE, "model": NAME, "torch": torch.__version__, "counts": counts,
-                       "timing": timing}, f, indent=1)
-        with open(os.path.join(args.out, "profile.md"), "w") as f:
-            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": DEVICE, "model": work.label, "torch": torch.__version__, "counts": counts,
+                       "timing": timing, "table": text, "top_host_ops": ops}, f, indent=1)
     return 0
 
 

@@ -196,17 +196,28 @@ def test_gpu_tests_plan_schedules_the_whole_suite_and_says_whether_it_fits(capsy
     assert [(s, e) for _, s, e in rows] == [(0, d), (0, d), (d, 2 * d)] and makespan == 2 * d
 
 
-def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_path, capsys):
+@pytest.mark.parametrize("model", ["gpt", "llama-1b"])
+def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_path, capsys, model):
     from benchmarks import step_profile
 
-    assert step_profile.main(["--steps", "1", "--warmup", "1", "--rounds", "1", "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "profile.json").read_text())
+    if model == "llama-1b":
+        pytest.importorskip("transformers")
+    out = tmp_path / "profile.json"
+    assert step_profile.main(["--model", model, "--steps", "1", "--warmup", "1", "--rounds", "1",
+                              "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
     counts, timing = result["counts"], result["timing"]
     assert list(counts) == list(step_profile.VARIANTS) == list(timing)
     assert counts["unwatched"]["nanscan_ops"] == 0  # (no monitor, no record)
     assert all(counts[v]["nanscan_ops"] > 0 for v in step_profile.VARIANTS if v != "unwatched")
     assert timing["unwatched"]["ratio"] == 1.0 and all(timing[v]["wall_ms"] > 0 for v in timing)
-    ops = (tmp_path / "profile-ops.txt").read_text()
-    assert all(f"== {v}:" in ops for v in step_profile.VARIANTS)
-    table = (tmp_path / "profile.md").read_text()
-    assert "| nanscan_ops |" in table and table in capsys.readouterr().out
+    assert all(f"== {v}:" in result["top_host_ops"][v] for v in step_profile.VARIANTS)
+    printed = capsys.readouterr().out
+    assert "| nanscan_ops |" in result["table"] and result["table"] in printed
+
+
+def test_step_profile_refuses_an_unknown_model_by_name():
+    from benchmarks import step_profile
+
+    with pytest.raises(ValueError, match="unknown model 'gpt3'.*accepted: gpt, llama-1b"):
+        step_profile.Workload("gpt3")

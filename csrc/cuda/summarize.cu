@@ -233,7 +233,7 @@ void summarize_into(const at::Tensor& x, double* out_row, const at::TensorOption
 // chunk order. The blocks read a device table, int64 [ptr[n], numel[n], prefix[n+1], row[n]]
 // followed by int32 tix[blocks] (block b's tensor: prefix[tix[b]] <= b < prefix[tix[b] + 1]), so a
 // block finds its tensor with one load -- 32 n + 4 chunks bytes (scan_many_kernel, kernels.cuh).
-// Tables are cached (many_table: up to 16, most recently used kept), keyed IN FULL by device,
+// Tables are cached (many_table: up to 256, most recently used kept), keyed IN FULL by device,
 // stream, dtype and each tensor's (data pointer, numel, output row), of which the table is a pure
 // function: calling with the list of the previous step copies nothing to the device; any other list
 // builds its table in pinned memory and copies it non-blocking. Non-contiguous tensors take the
@@ -260,15 +260,25 @@ struct TableKey {
   unsigned long long stream = 0;
   int dtype = 0;
   std::vector<int64_t> words;  // 3 per tensor: data pointer, numel, output row
+  uint64_t hash = 0;           // of all the above (seal()): compared first, so a miss costs one word
+  void seal() {
+    uint64_t h = 1469598103934665603ull ^ (uint64_t(device) << 40) ^ (uint64_t(dtype) << 32) ^ stream;
+    for (int64_t w : words) h = (h ^ uint64_t(w)) * 1099511628211ull;
+    hash = h;
+  }
   bool operator==(const TableKey& o) const {
-    return device == o.device && stream == o.stream && dtype == o.dtype && words == o.words;
+    return hash == o.hash && device == o.device && stream == o.stream && dtype == o.dtype && words == o.words;
   }
 };
 struct ManyTable {
   at::Tensor meta;  // int64 on the device: [ptr[n], numel[n], prefix[n+1], row[n]], then int32 tix[blocks]
   int64_t chunk = 0, blocks = 0;
 };
-constexpr size_t kTableCacheEntries = 16;  // most recently used kept; a table is ~ 32 n + 4 blocks bytes
+// Most recently used kept; a table is ~ 32 n + 4 blocks bytes. A watched step makes one call per
+// flush of a read window or the gradient sink, one group per dtype: on GPT-2-small about 90 groups
+// a step, whose tensors the caching allocator puts at the same addresses step after step -- 16
+// entries missed every one of them (each miss a pinned allocation and a host-to-device copy).
+constexpr size_t kTableCacheEntries = 256;
 
 ManyTable many_table(TableKey key, const at::TensorOptions& dev) {
   struct Entry { TableKey key; ManyTable table; };
@@ -329,6 +339,7 @@ void summarize_group(const std::vector<c10::MaybeOwned<at::Tensor>>& ts, const s
     key.words[3 * k + 1] = t.numel();
     key.words[3 * k + 2] = idx[k];
   }
+  key.seal();
   const ManyTable table = many_table(std::move(key), dev);
   const int64_t* m = static_cast<const int64_t*>(table.meta.data_ptr());
   const int32_t* tix = reinterpret_cast<const int32_t*>(m + 4 * n + 1);
