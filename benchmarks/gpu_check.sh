@@ -176,9 +176,10 @@ if [ "$PART" = 1 ]; then
   done_stage launch_counts "${PIPESTATUS[0]}"
 
   # What a watched step asks of the device and the host (launches, memcpys, syncs, pinned
-  # allocations, nanscan ops), unwatched / sync / async / the read decided on the host, and their
-  # interleaved timing: before the benchmarks, so that a short run still says why.
-  run_limited step_profile python3 -m benchmarks.step_profile --steps 5 --warmup 3 --rounds 8 \
+  # allocations, nanscan ops, top host ops), unwatched / sync / async / the read decided on the
+  # host, and their interleaved timing, for GPT-2-small and the host-bound 200x Linear(8, 8): before
+  # the benchmarks, so that a short run still says why.
+  run_limited step_profile python3 -m benchmarks.step_profile --model gpt,host-bound --steps 5 --warmup 3 --rounds 8 \
     --json "$OUT/profile.json" 2>&1 | grep -v '^USDT:' | tee -a "$LOG"
   done_stage step_profile "${PIPESTATUS[0]}"
 

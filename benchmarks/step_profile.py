@@ -21,11 +21,15 @@ interleaved (``--rounds``), CUDA events beside wall time on a GPU; ratios are to
 of the same round. The top host ops by self CPU time of each variant are printed, and everything
 goes to ``--json``.
 
-    python -m benchmarks.step_profile [--model gpt|llama-1b] [--steps 5] [--warmup 3] [--rounds 10] [--json FILE]
+    python -m benchmarks.step_profile [--model gpt,llama-1b,host-bound] [--steps 5] [--warmup 3] [--rounds 10]
+                                      [--json FILE]
 
 ``--model llama-1b``: TinyLlama-1.1B's shape through transformers' ``LlamaForCausalLM`` (bf16
 autocast, seq 2048, batch 4 on a GPU; a 2-layer narrow one here), the loss computed by the model:
-the compute-bound common case beside GPT-2-small's host-bound one.
+the compute-bound common case beside GPT-2-small's host-bound one. ``--model host-bound``:
+``benchmarks/host_cost.py``'s 200x ``Linear(8, 8)`` at batch 1, a step that is all host time: its top
+host ops say what the hooks cost per module on the device. Several models, comma-separated, go
+into one JSON (``models``: one entry each).
 
 On this CPU the counts of CUDA runtime calls are 0 (no CUDA path runs): what is here is the op
 counts and the timing; the GPU check (``benchmarks/gpu_check.sh`` part 1) runs it on the H200.
@@ -58,8 +62,14 @@ class Workload:
             self._step = bench_monitor.step
         elif name == "llama-1b":
             self._make_llama()
+        elif name == "host-bound":  # benchmarks/host_cost.py's: 200x Linear(8, 8), batch 1 -- all host time
+            from benchmarks.host_cost import make_host_bound, train_step
+
+            self.label = "200x Linear(8, 8), batch 1"
+            self.model, self.opt, self.batch = make_host_bound(device=DEVICE)
+            self._step = train_step
         else:
-            raise ValueError(f"step_profile: unknown model {name!r} (accepted: gpt, llama-1b)")
+            raise ValueError(f"step_profile: unknown model {name!r} (accepted: {', '.join(MODELS)})")
 
     def _make_llama(self) -> None:
         # TinyLlama-1.1B's shape (RMSNorm, SwiGLU, RoPE, grouped-query attention), bf16 autocast,
@@ -94,6 +104,7 @@ class Workload:
         return self._step(self.model, self.opt, self.batch)
 
 VARIANTS = ("unwatched", "sync", "async", "sync, host decides")
+MODELS = ("gpt", "llama-1b", "host-bound")
 
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 SYNC = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
@@ -230,24 +241,33 @@ def markdown(label: str, counts: dict, timing: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="gpt", help="gpt (the monitor benchmark's) or llama-1b")
+    parser.add_argument("--model", default="gpt",
+                        help=f"one or more, comma-separated, of: {', '.join(MODELS)} (gpt: the monitor benchmark's)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", default=None, help="a file for everything: counts, timing, top host ops")
     args = parser.parse_args(argv)
-    work = Workload(args.model)
-    counts = {name: profile(work, name, args.steps, args.warmup) for name in VARIANTS}
-    ops = {name: counts[name].pop("top_host_ops") for name in VARIANTS}
-    timing = timed(work, args.rounds, args.steps, args.warmup) if args.rounds > 0 else {
-        v: {"wall_ms": float("nan"), "ratio": float("nan"), "ratio_range": [float("nan")] * 2} for v in VARIANTS}
-    text = markdown(work.label, counts, timing)
-    print("".join(ops.values()))
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": DEVICE, "model": work.label, "torch": torch.__version__, "counts": counts,
-                       "timing": timing, "table": text, "top_host_ops": ops}, f, indent=1)
+    names = [m.strip() for m in args.model.split(",") if m.strip()]
+    for name in names:
+        if name not in MODELS:
+            parser.error(f"unknown model {name!r} (accepted: {', '.join(MODELS)})")
+    result = {"device": DEVICE, "torch": torch.__version__, "models": {}}
+    for name in names:
+        work = Workload(name)
+        counts = {v: profile(work, v, args.steps, args.warmup) for v in VARIANTS}
+        ops = {v: counts[v].pop("top_host_ops") for v in VARIANTS}
+        timing = timed(work, args.rounds, args.steps, args.warmup) if args.rounds > 0 else {
+            v: {"wall_ms": float("nan"), "ratio": float("nan"), "ratio_range": [float("nan")] * 2} for v in VARIANTS}
+        text = markdown(work.label, counts, timing)
+        print("".join(ops.values()))
+        print(text)
+        result["models"][name] = {"label": work.label, "counts": counts, "timing": timing, "table": text,
+                                  "top_host_ops": ops}
+        del work
+        if args.json:  # (after each model: a run cut short keeps what it measured)
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
     return 0
 
 

@@ -196,7 +196,7 @@ def test_gpu_tests_plan_schedules_the_whole_suite_and_says_whether_it_fits(capsy
     assert [(s, e) for _, s, e in rows] == [(0, d), (0, d), (d, 2 * d)] and makespan == 2 * d
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama-1b"])
+@pytest.mark.parametrize("model", ["gpt", "llama-1b", "host-bound"])
 def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_path, capsys, model):
     from benchmarks import step_profile
 
@@ -205,7 +205,7 @@ def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_pa
     out = tmp_path / "profile.json"
     assert step_profile.main(["--model", model, "--steps", "1", "--warmup", "1", "--rounds", "1",
                               "--json", str(out)]) == 0
-    result = json.loads(out.read_text())
+    result = json.loads(out.read_text())["models"][model]
     counts, timing = result["counts"], result["timing"]
     assert list(counts) == list(step_profile.VARIANTS) == list(timing)
     assert counts["unwatched"]["nanscan_ops"] == 0  # (no monitor, no record)
@@ -216,8 +216,23 @@ def test_step_profile_counts_each_variants_ops_and_times_them_interleaved(tmp_pa
     assert "| nanscan_ops |" in result["table"] and result["table"] in printed
 
 
-def test_step_profile_refuses_an_unknown_model_by_name():
+def test_step_profile_refuses_an_unknown_model_by_name(capsys):
     from benchmarks import step_profile
 
-    with pytest.raises(ValueError, match="unknown model 'gpt3'.*accepted: gpt, llama-1b"):
+    with pytest.raises(ValueError, match="unknown model 'gpt3'.*accepted: gpt, llama-1b, host-bound"):
         step_profile.Workload("gpt3")
+    with pytest.raises(SystemExit):
+        step_profile.main(["--model", "gpt,gpt3", "--rounds", "0"])
+    assert "unknown model 'gpt3'" in capsys.readouterr().err
+
+
+def test_step_profile_puts_several_models_in_one_json(tmp_path):
+    from benchmarks import step_profile
+
+    out = tmp_path / "profile.json"
+    assert step_profile.main(["--model", "host-bound,host-bound", "--steps", "1", "--warmup", "1", "--rounds", "0",
+                              "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["models"]) == ["host-bound"]
+    assert step_profile.main(["--model", "gpt, host-bound", "--steps", "1", "--warmup", "1", "--rounds", "0",
+                              "--json", str(out)]) == 0
+    assert list(json.loads(out.read_text())["models"]) == ["gpt", "host-bound"]
