@@ -780,3 +780,64 @@ def test_frames_run_eagerly_past_the_recompile_limit_are_never_misnamed():
     assert len(compiled) == len(eager)
     for c, e in zip(compiled, eager):  # the same answer, or "cannot tell" -- never another place
         assert c == e or (c[:2] == e[:2] and c[4] is None), (compiled, eager)
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("bare_first", [True, False])
+def test_a_model_of_the_same_class_compiled_unwatched_never_takes_the_watched_ones_graph(bare_first):
+    # Note [two instances of one class]: an eval copy, a teacher, a reference model of the watched
+    # class, compiled without a monitor after watch: its graph (no hooks) passed the watched model's
+    # guards, the watched model ran it, and its fault was named at '(model)' with certainty.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    watched, bare = TwoLayer(), TwoLayer()
+    opt, bare_opt = torch.optim.SGD(watched.parameters(), lr=0.01), torch.optim.SGD(bare.parameters(), lr=0.01)
+    before = torch._dynamo.config.skip_nnmodule_hook_guards
+    x = torch.randn(4, 8)
+    with nanscan.watch(watched, opt, on_nonfinite="record") as mon:
+        compiled, compiled_bare = torch.compile(watched), torch.compile(bare)
+
+        def bare_step():
+            compiled_bare(x).pow(2).mean().backward()
+            bare_opt.step()
+            bare_opt.zero_grad()
+
+        for i in range(3):
+            if bare_first:
+                bare_step()
+            if i == 2:
+                with torch.no_grad():
+                    watched.a.weight[0, 0] = float("nan")
+            compiled(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if not bare_first:
+                bare_step()
+    assert key(mon.incident) == (2, "forward", "a", "activation", True)
+    assert torch.isfinite(bare.a.weight).all()  # (the bare model never saw the watched one's weights)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == before  # the user's setting, back at close
+
+
+def test_hook_guards_are_held_while_any_watching_monitor_is_open():
+    from nanscan.monitor import traced
+
+    before = torch._dynamo.config.skip_nnmodule_hook_guards
+    first, second = TwoLayer(), TwoLayer()
+    m1 = nanscan.watch(first)
+    m2 = nanscan.watch(second)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+    m1.close()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is False  # (the second still records activations)
+    m2.close()
+    m2.close()  # (a second close releases nothing more)
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == before and traced._hook_guard_holders == 0
+    with nanscan.watch(TwoLayer(), activations=False):
+        assert torch._dynamo.config.skip_nnmodule_hook_guards == before  # no module hooks: nothing to guard

@@ -16,7 +16,7 @@ from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.skipping import check_skip_can_protect
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import install, unwrap
-from nanscan.monitor.traced import drop_graphs_compiled_without_hooks
+from nanscan.monitor.traced import drop_graphs_compiled_without_hooks, hold_hook_guards
 from nanscan.warn import warn
 
 __all__ = ["watch"]
@@ -100,6 +100,9 @@ def watch(model, optimizer=None, scaler=None, *, config: Optional[WatchConfig] =
                           f"this monitor's hooks); they recompile at the next call", RuntimeWarning, stacklevel=2)
     monitor = Monitor(model, optimizer, scaler, config)
     install()
+    if config.activations:  # (Note [two instances of one class]; released by close)
+        hold_hook_guards()
+        monitor.holds_hook_guards = True
     _WATCHED[id(model)] = monitor
     return monitor
 

@@ -56,7 +56,7 @@ from nanscan.monitor.steplog import StepLog
 from nanscan.monitor.tensors import ModelTensors
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function, graph_reaches
-from nanscan.monitor.traced import TracedRows
+from nanscan.monitor.traced import TracedRows, release_hook_guards
 from nanscan.monitor.triggers import wrap_closure, wrap_scaler
 from nanscan.warn import warn
 
@@ -124,6 +124,7 @@ class Monitor(Results):
         self._unhooked_graph = False  # a backward ran through a graph compiled without this monitor's hooks
         self._failed_step: Optional[int] = None  # the explicit step that ended by raising, if the last did
         self._raising = False  # a read raised a NonFiniteError that has not left the step yet
+        self.holds_hook_guards = False  # dynamo guards on module hooks for it (Note [two instances of one class])
         self._handles: list = []
         try:
             self._install()
@@ -515,6 +516,9 @@ class Monitor(Results):
             self._autocast_probe.disarm()
             self.hooks.close()
             self.traced.forget()
+            if self.holds_hook_guards:
+                self.holds_hook_guards = False
+                release_hook_guards()
             _WATCHED.pop(id(self.model), None)
 
     def __enter__(self) -> "Monitor":

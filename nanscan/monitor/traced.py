@@ -129,6 +129,40 @@ def drop_graphs_compiled_without_hooks(model: torch.nn.Module) -> int:
     return dropped
 
 
+# Note [two instances of one class]: dynamo keeps its graphs per code object, tries the newest
+# first, and by default does not guard on module hooks (``skip_nnmodule_hook_guards``). So a model
+# of the watched model's class compiled *after* ``watch`` without a monitor -- an eval copy, a
+# reference or teacher model, a second run in a notebook -- makes a graph that the watched model's
+# guards accept too: the watched model would run it, without its hooks, and nothing of its forward
+# would be recorded (silently, where its loss is). While a monitor that records activations is
+# open, dynamo guards on module hooks (``hold_hook_guards``): every graph then says whether it
+# was compiled with hooks, and each model runs its own. The guards are a length check per hook
+# dict of each module, in dynamo's C++ guard tree, per compiled call. The user's setting is put
+# back when the last such monitor closes; graphs compiled meanwhile keep their guards.
+_hook_guard_holders = 0
+_hook_guards_before: Optional[bool] = None
+
+
+def hold_hook_guards() -> None:
+    """Have dynamo guard on module hooks until :func:`release_hook_guards` (Note [two instances
+    of one class])."""
+    global _hook_guard_holders, _hook_guards_before
+    config = torch._dynamo.config
+    if _hook_guard_holders == 0:
+        _hook_guards_before = config.skip_nnmodule_hook_guards
+        config.skip_nnmodule_hook_guards = False
+    _hook_guard_holders += 1
+
+
+def release_hook_guards() -> None:
+    global _hook_guard_holders
+    if _hook_guard_holders <= 0:
+        return
+    _hook_guard_holders -= 1
+    if _hook_guard_holders == 0 and _hook_guards_before is not None:
+        torch._dynamo.config.skip_nnmodule_hook_guards = _hook_guards_before
+
+
 class _RowInfo:
     __slots__ = ("name", "info", "inputs", "candidate", "derived", "is_output", "index", "phase", "kind", "module",
                  "weight_input", "post_time")
