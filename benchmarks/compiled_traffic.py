@@ -1,0 +1,640 @@
+"""Compiled-graph traffic: what a watched model's ``torch.compile`` (inductor) graphs hold, read from
+the graphs inductor compiles -- groundwork for fusing the records into inductor's kernels (#45).
+
+Per training step of a model compiled with inductor, watched (``nanscan.watch`` then
+``torch.compile``) beside the same model unwatched:
+
+1. **Generated kernels** (forward + backward graphs): the kernels inductor writes for the step,
+   launched once each, beside the extern kernels it calls (mm, addmm, SDPA ...).
+2. **Record ops**: the standalone ``torch.ops.nanscan.*`` calls in the compiled graphs (the traced
+   hooks' ``nanscan::stamp``; inductor runs each as an extern / fallback kernel, counted apart
+   from the generated ones), the tensors they read and the bytes (numel x itemsize of each).
+3. **Producers**: for each tensor a record op reads, what made it -- a kernel inductor generated
+   (the record could be fused into it: #45 item 1), an extern kernel (mm / addmm / bmm /
+   convolution / SDPA ...: a record of it keeps a separate read, unless a generated kernel that
+   reads the tensor anyway takes it), or a graph input (made outside this graph: the batch, a
+   gradient flowing in) -- with the bytes of each class.
+4. **Step time**, watched / unwatched, from interleaved rounds (a side column).
+
+How each number is obtained
+---------------------------
+Everything but the time comes from inductor's own lowering of each graph, observed while the
+models compile (their first steps), with inductor's caches off for that (``force_disable_caches``:
+a cache hit would skip the lowering, and the counts with it):
+
+- ``GraphLowering.run_node`` is wrapped. ``GraphLowering`` is inductor's lowering of one post-grad
+  FX graph -- the graph after AOT autograd split it into forward and backward and after inductor's
+  FX passes (the same graph a ``post_grad_custom_post_pass`` sees), and ``is_backward`` says which
+  it is. When the node being lowered calls a ``nanscan`` op -- directly, or, the traced hooks'
+  effectful ``stamp``, inside ``higher_order.with_effects`` -- its tensor arguments are the values
+  recorded: their bytes come from the FX nodes' ``meta['val']`` (numel x itemsize), and their
+  producers from the IR inductor made for the op: the fallback kernel created for the node lists
+  the buffers it reads (``inputs``); each is followed through views to its buffer, whose class
+  says who writes it -- ``ComputedBuffer``: a generated kernel (``TemplateBuffer``: a generated
+  template, e.g. a Triton matmul, whose epilogue is generated too), ``ExternKernel`` (and the
+  ``MultiOutput`` of one, e.g. SDPA): an extern kernel, named, ``InputBuffer``: a graph input,
+  ``ConcatKernel`` (a cat, e.g. of q, k, v's gradients): generated when the kernels writing its
+  parts are (an extern part is copied in by a generated kernel). A buffer created while the record
+  op itself was lowered that is not the value's own storage (realized for the op: a pointwise value
+  becomes a generated kernel then) is a copy made for the record (a view inductor had to make
+  contiguous). This uses the IR, not a table of op names: whether inductor
+  generates an op or calls an extern kernel for it depends on the op, the device and the config
+  (mm is an extern call by default, a Triton template under max-autotune).
+- ``GraphLowering.save_output_code`` (the hook ``torch._inductor.utils.run_and_get_code`` uses)
+  keeps each graph's output code: **generated kernels launched** are the calls, in its wrapper, of
+  the kernels it defines (``name = async_compile.triton(...)`` / ``.cpp_pybinding(...)``; a call is
+  ``name(`` or ``name.run(`` outside the kernels' sources). ``GraphLowering.codegen`` is wrapped:
+  the increase of ``torch._inductor.metrics.generated_kernel_count`` while that graph's code is
+  generated is inductor's own count (one per kernel object its codegen makes; its tests pin fusion
+  with it), shown beside. For Triton the source makes one kernel object per kernel (not run here);
+  the C++ backend makes several per kernel (its vectorized and scalar variants) and merges a
+  pointwise kernel with the reduction after it at codegen (the outer-loop fusion), so on the CPU
+  the metric is several times the calls, and the calls are the number. After
+  codegen, the graph's scheduler nodes (after fusion) are walked: ``ExternKernelSchedulerNode`` s
+  are the **extern calls** (the nanscan ones apart; a ``MultiOutput`` is part of its call), and
+  the ``read_writes.reads`` of the other non-nop nodes (the generated kernels) tell whether a
+  generated kernel of the same graph reads a recorded tensor too ("read by a generated kernel":
+  where a record of a tensor that no generated kernel writes could ride along in a consumer).
+
+  Why these hooks: ``GraphLowering.run_node`` / ``codegen`` / ``save_output_code``, ``is_backward``,
+  the IR classes and ``metrics.generated_kernel_count`` are the same in torch 2.11 (the GPU
+  machine's; read in its wheel's source, not run) and 2.14 (here); the lowered IR is the only
+  place where the producer's class is a fact rather than a guess from an op's name.
+  ``post_grad_custom_post_pass`` would see the same FX graph but not the IR (nor the kernels);
+  TORCH_LOGS=output_code is the same text as ``save_output_code``, through logging;
+  ``run_and_get_code`` itself resets dynamo, and ``config.debug`` writes files.
+- Per step: each compiled graph is taken to run once per step (one forward and one backward graph
+  per graph break; recompiles are counted: "graphs compiled after the first step"). The record ops
+  that actually run in a steady step are counted too, under ``torch.profiler`` (CPU activity: the
+  compiled wrapper calls the nanscan op through the dispatcher, which the profiler sees; a
+  dispatch mode would make dynamo skip the frame): they must equal the compiled count.
+- Step time: two models, one watched then compiled, one compiled bare (same seed, same inductor
+  options), warmed up; dynamo guards on module hooks for the whole run
+  (``skip_nnmodule_hook_guards=False``; Note [two instances of one class]: by default the bare
+  model's graph, compiled later, would run for the watched model too, without its hooks). Rounds
+  alternate the two (the order flipped every round), each round
+  ``--steps`` steps (synchronized on CUDA); the ratio is the median watched / median unwatched
+  step. On the CPU it runs on 1 thread by default (``--threads``), as benchmarks/traffic.py does.
+
+The model is the benchmark GPT (benchmarks/models.py, AdamW, benchmarks/bench_monitor.py's plain
+loop); the defaults are the CPU benchmark's (4 layers, d=256, 4 heads, vocab 1024, seq 128, batch
+8; fp32 on the CPU, bf16 autocast on CUDA, as bench_monitor.py). GPT-2-small's shapes for a GPU run::
+
+    python -m benchmarks.compiled_traffic --device cuda --layers 12 --d 768 --heads 12 --vocab 50257 \\
+        --seq 512 --batch 8 --json compiled-traffic-gpt2-small.json
+
+    python -m benchmarks.compiled_traffic [--layers N --d D --heads H --vocab V --seq S --batch B]
+        [--device cpu|cuda] [--autocast none|bf16] [--rounds R --steps K] [--threads T] [-v]
+        [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import statistics
+import sys
+import time
+from unittest import mock
+
+import torch
+
+import nanscan
+
+# The classes of a recorded tensor's producer.
+GENERATED, TEMPLATE, EXTERN, INPUT, COPY, OTHER = ("generated", "template", "extern", "graph input",
+                                                   "copy for the record", "other")
+PRODUCERS = (GENERATED, TEMPLATE, EXTERN, INPUT, COPY, OTHER)
+FUSIBLE = (GENERATED, TEMPLATE)  # made by a kernel inductor generates: a record could ride along
+
+
+def _nanscan_op(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "nanscan"
+
+
+def _record_call(node: torch.fx.Node):
+    """(op, its arguments) when ``node`` calls a nanscan op, directly or in ``with_effects``; else None."""
+    if node.op != "call_function":
+        return None
+    if _nanscan_op(node.target):
+        return node.target, (node.args, node.kwargs)
+    if node.target is getattr(torch.ops.higher_order, "with_effects", None) and len(node.args) > 1 \
+            and _nanscan_op(node.args[1]):
+        return node.args[1], (node.args[2:], node.kwargs)
+    return None
+
+
+def _tensor_nodes(args) -> list:
+    """The FX nodes holding tensors in ``args``, in pytree order (the order inductor flattens them in)."""
+    leaves = torch.utils._pytree.tree_leaves(args)
+    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor):
+    numel = t.numel()
+    try:
+        numel = int(numel)
+    except Exception:  # (a symbolic size without a hint)
+        return None
+    return numel * t.element_size()
+
+
+def _short(name: str) -> str:
+    for prefix in ("extern_kernels.", "torch.ops.", "aten."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.removesuffix(".default").removesuffix(".out")
+
+
+def _kernel_name(kernel) -> str:
+    op = getattr(kernel, "op_overload", None)
+    if op is not None:
+        return _short(str(op))
+    return _short(getattr(kernel, "python_kernel_name", None) or type(kernel).__name__)
+
+
+def _buffer(node):
+    """Follow boxes and views down to the buffer that holds ``node``'s storage."""
+    from torch._inductor import ir
+
+    for _ in range(64):
+        if not isinstance(node, (ir.MutableBox, ir.BaseView)):
+            return node
+        node = node.data
+    return node
+
+
+def classify(buffer, created: set, graph_inputs: set) -> tuple:
+    """(producer class, kernel name) of the IR buffer a record op reads."""
+    from torch._inductor import ir
+
+    name = buffer.get_name() if hasattr(buffer, "get_name") else None
+    if name is not None and name in created:
+        return COPY, type(buffer).__name__
+    if isinstance(buffer, ir.ConcatKernel):
+        # A cat allocates its output and its parts' kernels write into it (a part made by an
+        # extern kernel is copied in by a generated one): a record of it could ride along in them.
+        parts = [classify(_buffer(p), (), graph_inputs)[0] for p in buffer.inputs]
+        if parts and all(p in FUSIBLE for p in parts):
+            return GENERATED, f"cat of {len(parts)} generated parts"
+        if parts and all(p == EXTERN for p in parts):
+            return EXTERN, f"cat of {len(parts)} extern parts"
+        return OTHER, f"cat of {', '.join(parts)}"
+    if isinstance(buffer, ir.MultiOutput):
+        return EXTERN, _kernel_name(buffer.inputs[0]) if buffer.inputs else "MultiOutput"
+    if isinstance(buffer, ir.ExternKernel):
+        return EXTERN, _kernel_name(buffer)
+    if isinstance(buffer, ir.TemplateBuffer):
+        return TEMPLATE, type(buffer).__name__
+    if isinstance(buffer, ir.ComputedBuffer):
+        return GENERATED, type(buffer).__name__
+    if isinstance(buffer, (ir.InputBuffer, ir.ConstantBuffer)) or (name is not None and name in graph_inputs):
+        return INPUT, type(buffer).__name__
+    return OTHER, type(buffer).__name__
+
+
+KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.MULTILINE)
+
+
+def kernel_calls(code: str) -> tuple:
+    """(kernel definitions, calls of them) in a graph's output code: ``name = async_compile.X(...)``
+    defines one (identical sources are defined once and called several times); a call is
+    ``name(`` or ``name.run(`` (a Triton kernel) in the rest of the code."""
+    return tuple(len(x) for x in kernel_names(code))
+
+
+def kernel_names(code: str) -> tuple:
+    """(the kernels a graph's output code defines, the kernels its wrapper calls, once a call)."""
+    names = KERNEL_DEF.findall(code)
+    wrapper = re.sub(r"r?'''.*?'''", "''", code, flags=re.DOTALL)  # (without the kernels' sources)
+    calls = [n for n in names for _ in re.findall(rf"(?<![\w.]){re.escape(n)}(?:\.run)?\(", wrapper)]
+    return names, calls
+
+
+class Observer:
+    """While active (``with Observer() as obs``), every graph inductor compiles is accounted in
+    ``obs.graphs`` (dicts; see ``_finish``), in compile order. Inductor's caches are off."""
+
+    def __init__(self):
+        self.graphs: list = []
+        self._open: dict = {}  # id(GraphLowering) -> its account so far
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        import torch._inductor.config as inductor_config
+        from torch._inductor.graph import GraphLowering
+
+        run_node, codegen = GraphLowering.run_node, GraphLowering.codegen
+        observer = self
+
+        def observed_run_node(lowering, n):
+            call = _record_call(n)
+            if call is None:
+                return run_node(lowering, n)
+            before = len(lowering.operations)
+            result = run_node(lowering, n)
+            observer._note_record(lowering, n, call, lowering.operations[before:])
+            return result
+
+        def observed_codegen(lowering, *args, **kwargs):
+            from torch._inductor import metrics
+
+            count = metrics.generated_kernel_count
+            result = codegen(lowering, *args, **kwargs)
+            observer._finish(lowering, metrics.generated_kernel_count - count)
+            return result
+
+        def save_output_code(code):
+            if observer.graphs:
+                g = observer.graphs[-1]
+                defs, calls = kernel_names(code)
+                g["kernel_defs"] = g.get("kernel_defs", 0) + len(defs)
+                g["kernel_calls_in_code"] = g.get("kernel_calls_in_code", 0) + len(calls)
+                g.setdefault("kernels_called", []).extend(calls)
+
+        s = self._stack
+        s.enter_context(inductor_config.patch(force_disable_caches=True))
+        s.enter_context(mock.patch.object(GraphLowering, "run_node", observed_run_node))
+        s.enter_context(mock.patch.object(GraphLowering, "codegen", observed_codegen))
+        s.enter_context(mock.patch.object(GraphLowering, "save_output_code", save_output_code))
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def _account(self, lowering) -> dict:
+        key = id(lowering)
+        if key not in self._open:
+            kind = "backward" if lowering.is_backward else ("inference" if lowering.is_inference else "forward")
+            self._open[key] = {"kind": kind, "record_ops": []}
+        return self._open[key]
+
+    def _note_record(self, lowering, n, call, new_ops) -> None:
+        op, args = call
+        values = _tensor_nodes(args)
+        kernels = [o for o in new_ops if _nanscan_op(getattr(o, "op_overload", None))]
+        kernel = kernels[-1] if kernels else None
+        inputs = list(getattr(kernel, "inputs", ()) or ()) if kernel is not None else []
+        created = set()
+        for o in new_ops:
+            if o is not kernel:
+                for buf in (o.get_outputs() if hasattr(o, "get_outputs") else [o]):
+                    if hasattr(buf, "get_name"):
+                        created.add(buf.get_name())
+        graph_inputs = set(getattr(lowering, "graph_inputs", {}) or {})
+        recorded = []
+        for i, v in enumerate(values):
+            t = v.meta["val"]
+            entry = {"node": v.name, "shape": [int(s) if isinstance(s, int) else str(s) for s in t.shape],
+                     "dtype": str(t.dtype).removeprefix("torch."), "bytes": _nbytes(t)}
+            env = getattr(lowering, "env", {})
+            own = _buffer(env[v]) if v in env else None  # (the value's own storage, realized by now)
+            buf = _buffer(inputs[i]) if len(inputs) == len(values) else own
+            if buf is None:
+                entry.update(producer=OTHER, kernel="unknown", buffer=None)
+            else:
+                # A buffer made while the record op was lowered is the value's own storage realized
+                # for the op (an unrealized pointwise value: a generated kernel), or a copy of it.
+                entry["producer"], entry["kernel"] = classify(buf, () if buf is own else created, graph_inputs)
+                entry["buffer"] = buf.get_name() if hasattr(buf, "get_name") else None
+            recorded.append(entry)
+        self._account(lowering)["record_ops"].append({"op": _short(str(op)), "fx_node": n.name, "values": recorded})
+
+    def _finish(self, lowering, generated: int) -> None:
+        from torch._inductor import ir, scheduler as sched
+
+        self._account(lowering)  # (a graph with no record op)
+        g = self._open.pop(id(lowering))
+        g["generated_kernels"] = generated
+        extern, nanscan_calls, groups, generated_reads = {}, 0, 0, set()
+        for node in getattr(getattr(lowering, "scheduler", None), "nodes", []) or []:
+            if isinstance(node, sched.NopKernelSchedulerNode):
+                continue
+            if isinstance(node, sched.ExternKernelSchedulerNode):
+                if _nanscan_op(getattr(node.node, "op_overload", None)):
+                    nanscan_calls += 1
+                elif not isinstance(node.node, ir.MultiOutput):  # (an output of a call counted once)
+                    name = _kernel_name(node.node)
+                    extern[name] = extern.get(name, 0) + 1
+                continue
+            groups += 1
+            generated_reads.update(dep.name for dep in node.read_writes.reads)
+        g["extern_calls"] = dict(sorted(extern.items()))
+        g["nanscan_calls"] = nanscan_calls
+        g["scheduler_kernel_groups"] = groups
+        for record in g["record_ops"]:
+            for v in record["values"]:
+                v["read_by_generated"] = v["buffer"] in generated_reads
+        self.graphs.append(g)
+
+
+# ------------------------------------------------------------------------------------------ a step's totals
+def totals(graphs: list) -> dict:
+    """Per-step sums over ``graphs`` (each taken to run once per step)."""
+    by_kind = {}
+    for g in graphs:
+        by_kind[g["kind"]] = by_kind.get(g["kind"], 0) + 1
+    out = {
+        "graphs": by_kind,
+        "generated_kernels": {k: sum(g["generated_kernels"] for g in graphs if g["kind"] == k) for k in by_kind},
+        "kernel_defs": sum(g.get("kernel_defs", 0) for g in graphs),
+        "kernel_calls_in_code": {k: sum(g.get("kernel_calls_in_code", 0) for g in graphs if g["kind"] == k)
+                                 for k in by_kind},
+        "extern_calls": {},
+        "record_ops": {k: sum(len(g["record_ops"]) for g in graphs if g["kind"] == k) for k in by_kind},
+        "records": {k: sum(len(r["values"]) for g in graphs if g["kind"] == k for r in g["record_ops"])
+                    for k in by_kind},
+        "bytes": {k: sum(v["bytes"] or 0 for g in graphs if g["kind"] == k for r in g["record_ops"]
+                         for v in r["values"]) for k in by_kind},
+        "by_producer": {p: {"records": 0, "bytes": 0} for p in PRODUCERS},
+        "by_extern_kernel": {},
+        "read_by_generated": {"records": 0, "bytes": 0},  # of tensors no generated kernel writes
+        "distinct": {"records": 0, "bytes": 0},
+    }
+    for g in graphs:
+        for name, n in g["extern_calls"].items():
+            out["extern_calls"][name] = out["extern_calls"].get(name, 0) + n
+        seen = set()
+        for r in g["record_ops"]:
+            for v in r["values"]:
+                b = v["bytes"] or 0
+                p = out["by_producer"][v["producer"]]
+                p["records"] += 1
+                p["bytes"] += b
+                if v["producer"] == EXTERN:
+                    e = out["by_extern_kernel"].setdefault(v["kernel"], {"records": 0, "bytes": 0})
+                    e["records"] += 1
+                    e["bytes"] += b
+                if v["producer"] not in FUSIBLE and v.get("read_by_generated"):
+                    out["read_by_generated"]["records"] += 1
+                    out["read_by_generated"]["bytes"] += b
+                if v["buffer"] is None or v["buffer"] not in seen:
+                    seen.add(v["buffer"])
+                    out["distinct"]["records"] += 1
+                    out["distinct"]["bytes"] += b
+    out["extern_calls"] = dict(sorted(out["extern_calls"].items()))
+    return out
+
+
+def runtime_record_ops(step) -> dict:
+    """The nanscan ops one call of ``step`` runs, counted by torch.profiler (CPU activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts = {}
+    for e in prof.events():
+        if e.name.startswith("nanscan::"):
+            name = e.name.replace("::", ".")
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def observe_compile(step, steps: int = 3) -> dict:
+    """Run ``step`` ``steps`` times (the first compiles) under an :class:`Observer`: the graphs
+    compiled at each step, and the per-step totals of all of them."""
+    per_step = []
+    with Observer() as obs:
+        for _ in range(steps):
+            before = len(obs.graphs)
+            step()
+            per_step.append(obs.graphs[before:])
+    graphs = [g for gs in per_step for g in gs]
+    return {"graphs": graphs, "compiled_per_step": [len(gs) for gs in per_step],
+            "compiled_after_first_step": sum(len(gs) for gs in per_step[1:]), "totals": totals(graphs)}
+
+
+def interleaved_time(steps: dict, *, device, rounds: int, steps_per_round: int) -> dict:
+    """Rounds alternating the variants of ``steps`` (name -> step), the order flipped every round;
+    per variant the seconds per step of each round and their median; ratio of the medians."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    names = list(steps)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                steps[name]()
+            sync()
+            times[name].append((time.perf_counter() - t0) / steps_per_round)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    return {"median_s": medians, "per_round_s": times, "rounds": rounds, "steps": steps_per_round}
+
+
+def measure_pair(make, step, *, device="cpu", warmup: int = 3, rounds: int = 5, steps: int = 3,
+                 watch_options=None, compile_options=None) -> dict:
+    """``make()`` -> (model, opt, batch), twice (seeded: the same model); one is watched, both are
+    compiled (``torch.compile(model, **compile_options)``); ``step(model, opt, batch)``. The
+    watched model compiles (and runs its first ``warmup`` steps) first, then the bare one, each
+    under an :class:`Observer`; then the record ops of one steady step of each (profiler), then
+    ``rounds`` interleaved timing rounds (none when 0)."""
+    # Note [two instances of one class]: dynamo keeps graphs per code object and, by default, does
+    # not guard on module hooks; the bare model's graph (compiled later, tried first) passes the
+    # watched model's guards, and the watched model would run it -- without its hooks, silently
+    # where a loss is recorded. Guarding on hooks keeps each model on its own graphs.
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        return _measure_pair(make, step, device=device, warmup=warmup, rounds=rounds, steps=steps,
+                             watch_options=watch_options, compile_options=compile_options or {})
+
+
+def _measure_pair(make, step, *, device, warmup, rounds, steps, watch_options, compile_options) -> dict:
+    watched_model, watched_opt, watched_batch = make()
+    bare_model, bare_opt, bare_batch = make()
+    mon = nanscan.watch(watched_model, watched_opt, **(watch_options or {}))
+    try:
+        watched_c = torch.compile(watched_model, **compile_options)
+        bare_c = torch.compile(bare_model, **compile_options)
+        variants = {"unwatched": lambda: step(bare_c, bare_opt, bare_batch),
+                    "watched": lambda: step(watched_c, watched_opt, watched_batch)}
+        result = {"watched": observe_compile(variants["watched"], warmup),
+                  "unwatched": observe_compile(variants["unwatched"], warmup)}
+        for name, fn in variants.items():
+            if not result[name]["graphs"]:
+                raise RuntimeError(f"the {name} model compiled no graph: it ran the other model's (dynamo's "
+                                   "cache), and its counts would be the other's")
+            ran = runtime_record_ops(fn)
+            compiled = {}
+            for g in result[name]["graphs"]:
+                for r in g["record_ops"]:
+                    compiled[r["op"]] = compiled.get(r["op"], 0) + 1
+            result[name]["runtime_record_ops"] = {op: ran.get(op, 0) for op in compiled}
+            result[name]["runtime_nanscan_calls"] = ran  # (every nanscan op, nested calls included)
+            if result[name]["runtime_record_ops"] != compiled:
+                raise RuntimeError(f"the {name} model's steady step ran the record ops {ran}, its compiled graphs "
+                                   f"hold {compiled}: a graph ran more or less than once per step, or not its own")
+        if rounds > 0:
+            result["time"] = interleaved_time(variants, device=device, rounds=rounds, steps_per_round=steps)
+            med = result["time"]["median_s"]
+            result["time"]["ratio"] = med["watched"] / med["unwatched"]
+    finally:
+        mon.close()
+    result["config"] = {"parameters": sum(p.numel() for p in bare_model.parameters()), "device": str(device),
+                        "threads": torch.get_num_threads(), "torch": torch.__version__,
+                        "compile": compile_options or "default (inductor)", "grad_hooks_in_graph": _grad_hooks()}
+    return result
+
+
+def _grad_hooks() -> bool:
+    from nanscan.monitor.traced import GRAD_HOOKS
+
+    return bool(GRAD_HOOKS)
+
+
+def measure_gpt(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, device="cpu", autocast=None,
+                warmup=3, rounds=5, steps=3) -> dict:
+    """The benchmark GPT (benchmarks/traffic.py's ``make_gpt`` / ``gpt_step``: AdamW, the plain loop)."""
+    from benchmarks.traffic import gpt_step, make_gpt
+
+    if autocast is None:
+        autocast = torch.device(device).type == "cuda"  # (as bench_monitor.py)
+
+    def make():
+        return make_gpt(layers=layers, d=d, heads=heads, vocab=vocab, seq=seq, batch=batch, device=device)
+
+    def step(model, opt, idx):
+        return gpt_step(model, opt, idx, autocast)
+
+    result = measure_pair(make, step, device=device, warmup=warmup, rounds=rounds, steps=steps)
+    result["config"].update(model="GPT", layers=layers, d=d, heads=heads, vocab=vocab, seq=seq, batch=batch,
+                            autocast="bf16" if autocast else "none")
+    return result
+
+
+# ------------------------------------------------------------------------------------------ the table
+def _mib(b) -> str:
+    return f"{b / 2**20:,.2f}"
+
+
+def _split(d: dict, fmt=str) -> str:
+    """``fw + bw = total`` of a per-kind dict."""
+    if not d:
+        return "0"
+    parts = [fmt(d[k]) for k in ("forward", "backward", "inference") if k in d]
+    total = fmt(sum(d.values()))
+    return parts[0] if len(parts) == 1 else " + ".join(parts) + f" = {total}"
+
+
+def title(result: dict) -> str:
+    c = result["config"]
+    model = (f"GPT {c['layers']}x{c['d']} ({c['heads']} heads, vocab {c['vocab']}, seq {c['seq']}, batch "
+             f"{c['batch']}; {c['parameters']:,} parameters), {c['autocast'] if c['autocast'] != 'none' else 'fp32'}"
+             if c.get("model") == "GPT" else c.get("model", "model"))
+    return (f"compiled-graph traffic, per training step (forward + backward graphs): {model}, AdamW, "
+            f"torch.compile (inductor), {c['device']}, torch {c['torch']}")
+
+
+def table(result: dict) -> str:
+    """Markdown: one row per number, unwatched and watched side by side; then the extern producers."""
+    u, w = result["unwatched"], result["watched"]
+    tu, tw = u["totals"], w["totals"]
+    rows = []
+
+    def row(label, fn):
+        rows.append(f"| {label} | {fn(u, tu)} | {fn(w, tw)} |")
+
+    def producer(p, r, t):
+        x = t["by_producer"][p]
+        return f"{x['records']} / {_mib(x['bytes'])}"
+
+    row("graphs compiled (forward + backward)", lambda r, t: _split(t["graphs"]))
+    row("graphs compiled after the first step (recompiles)", lambda r, t: str(r["compiled_after_first_step"]))
+    row("generated kernels launched (calls in the output code; forward + backward)",
+        lambda r, t: _split(t["kernel_calls_in_code"]))
+    row("generated kernels counted by inductor (metrics.generated_kernel_count)",
+        lambda r, t: _split(t["generated_kernels"]))
+    row("extern kernel calls, nanscan's apart", lambda r, t: str(sum(t["extern_calls"].values())))
+    row("nanscan record ops (forward + backward)", lambda r, t: _split(t["record_ops"]))
+    row("nanscan ops run in a steady step (profiler)", lambda r, t: str(sum(r["runtime_record_ops"].values())))
+    row("tensors the record ops read (forward + backward)", lambda r, t: _split(t["records"]))
+    row("MiB they read (forward + backward)", lambda r, t: _split(t["bytes"], _mib))
+    row("... distinct tensors / MiB (a tensor read by several ops once)",
+        lambda r, t: f"{t['distinct']['records']} / {_mib(t['distinct']['bytes'])}")
+    labels = {GENERATED: "made by a generated kernel (fusible into its producer)",
+              TEMPLATE: "made by a generated template (fusible into its epilogue)",
+              EXTERN: "made by an extern kernel (mm, addmm, SDPA ...)",
+              INPUT: "graph inputs (made outside the graph)",
+              COPY: "copies inductor made for the record",
+              OTHER: "other"}
+    for p in PRODUCERS:
+        if p in (GENERATED, EXTERN, INPUT) or tw["by_producer"][p]["records"]:
+            row(f"... {labels[p]}: tensors / MiB", lambda r, t, p=p: producer(p, r, t))
+    row("... of those not made by a generated kernel, read by one anyway: tensors / MiB",
+        lambda r, t: f"{t['read_by_generated']['records']} / {_mib(t['read_by_generated']['bytes'])}")
+    if "time" in result:
+        tm = result["time"]
+        rows.append(f"| step time (ms, median of {tm['rounds']} interleaved rounds of {tm['steps']}) | "
+                    f"{tm['median_s']['unwatched'] * 1e3:.2f} | {tm['median_s']['watched'] * 1e3:.2f} |")
+        rows.append(f"| watched / unwatched | 1 | {tm['ratio']:.3f} |")
+    out = [f"`{title(result)}`", "", "| per step | unwatched | watched |", "|---|---|---|", *rows]
+    ext = tw["by_extern_kernel"]
+    if ext:
+        out += ["", "| extern producer of recorded tensors (watched) | tensors | MiB |", "|---|---|---|"]
+        out += [f"| {name} | {x['records']} | {_mib(x['bytes'])} |"
+                for name, x in sorted(ext.items(), key=lambda kv: -kv[1]["bytes"])]
+    calls = sorted(set(tu["extern_calls"]) | set(tw["extern_calls"]))
+    if calls:
+        out += ["", "| extern kernel calls per step | unwatched | watched |", "|---|---|---|"]
+        out += [f"| {name} | {tu['extern_calls'].get(name, 0)} | {tw['extern_calls'].get(name, 0)} |"
+                for name in calls]
+    return "\n".join(out)
+
+
+def record_listing(result: dict) -> str:
+    """Every record op of the watched graphs, with each tensor's shape, bytes and producer."""
+    lines = []
+    for i, g in enumerate(result["watched"]["graphs"]):
+        lines.append(f"graph {i} ({g['kind']}): {g['generated_kernels']} generated kernels, "
+                     f"{len(g['record_ops'])} record ops, extern calls {g['extern_calls']}")
+        for r in g["record_ops"]:
+            vals = ", ".join(f"{v['node']}{tuple(v['shape'])} {v['dtype']} {v['bytes']} B <- {v['producer']}"
+                             f"{'' if v['producer'] in FUSIBLE else ' ' + v['kernel']}"
+                             f"{' (read by a generated kernel)' if v.get('read_by_generated') else ''}"
+                             for v in r["values"])
+            lines.append(f"  {r['op']} [{r['fx_node']}]: {vals}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--autocast", choices=("none", "bf16"), default=None,
+                        help="default: bf16 on cuda, none on cpu (as bench_monitor.py)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps observed while compiling (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (0: no timing)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 on the CPU)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every record op of the watched graphs")
+    parser.add_argument("--json", default=None, help="write every number here")
+    args = parser.parse_args(argv)
+    threads = args.threads if args.threads is not None else (1 if torch.device(args.device).type == "cpu" else None)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        result = measure_gpt(layers=args.layers, d=args.d, heads=args.heads, vocab=args.vocab, seq=args.seq,
+                             batch=args.batch, device=args.device,
+                             autocast=None if args.autocast is None else args.autocast == "bf16",
+                             warmup=args.warmup, rounds=args.rounds, steps=args.steps)
+    finally:
+        torch.set_num_threads(before)
+    print(table(result))
+    if args.verbose:
+        print()
+        print(record_listing(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
