@@ -8,7 +8,10 @@ addresses) and small tile / chunk overrides so that multi-tile chunks, masked ta
 chunk-combining stage are exercised at these sizes. The last section checks the two-pass stage 1
 (a fast pass per chunk, a rescan only of chunks with a NaN / +-inf or an overflowing square: under
 the interpreter the tests count the rescans), 64-bit offsets, and that the multi-tensor launches'
-specialization keys do not depend on the list length.
+specialization keys do not depend on the list length. The host-work section counts launches per
+call (by wrapping the kernels the launcher launches through, as benchmarks/triton_host.py does),
+checks the pointer table's invariants and the in-place reads of ``summarize`` (bit for bit those
+of the prepared path).
 """
 import math
 import operator
@@ -573,3 +576,182 @@ def test_stage1_register_cap():
         records.append(out)
     assert torch.equal(records[0], records[1])
     assert_record_matches(records[0], reference.summarize(xs[0]), xs[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# Host work per call (issue 44): launches counted, the table's invariants, summarize's in-place read
+# --------------------------------------------------------------------------------------------------
+
+
+def bits(t):
+    """A record's bits (records may hold NaN, which torch.equal never calls equal)."""
+    return t.detach().cpu().view(torch.int64)
+
+
+def one_dtype_list(k, dtype=torch.float32, seed=10):
+    """k contiguous 16-byte aligned tensors of one dtype, of mixed sizes and shapes, some empty."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1 + 37 * i % 300,) if i % 3 else (2, 1 + i % 9, 3) for i in range(k)]
+    xs = [cast(special_values("mixed", math.prod(s), gen), dtype).reshape(s).to(DEVICE) for s in shapes]
+    return [torch.empty(0, 4, dtype=dtype, device=DEVICE) if i % 7 == 6 else x for i, x in enumerate(xs)]
+
+
+@pytest.mark.parametrize("k", [1, 6, 40])
+def test_one_stage1_launch_per_group_whatever_the_list_length(k):
+    """N tensors of one dtype (mixed sizes, some empty): the CUDA path (_summarize_many_table) makes
+    one stage-1 and one stage-2 launch, O(1) in N, as its docstring and benchmarks/triton_host.py
+    claim -- counted by wrapping the kernels it launches through (real launches here: the records
+    are the reference's)."""
+    from benchmarks.triton_host import counting_launches
+
+    xs = one_dtype_list(k)
+    with counting_launches(tk) as launches:
+        got = tk._summarize_many_table(xs)
+    assert [name for name, _ in launches] == ["_stage1_kernel", "_stage2_kernel"]
+    assert launches[0][1] == (sum(x.numel() > 0 for x in xs),)  # (at most 300 elements: one chunk each)
+    assert launches[1][1] == (k,)
+    for i, x in enumerate(xs):
+        assert_record_matches(got[i], reference.summarize(x), x, f"row {i}")
+
+
+def test_launch_counts_of_every_path():
+    """Counted without launching: 2000 tensors of one dtype are 2 launches; a list spanning G (read
+    kind, alignment) groups G + 1; summarize 2, or none for an empty tensor; under the interpreter
+    summarize_many is a loop of summarize (2 per non-empty tensor)."""
+    from benchmarks.triton_host import count_launches
+
+    gen = torch.Generator().manual_seed(11)
+    buffer = torch.randn(70000, generator=gen).to(DEVICE)
+    many = [buffer[k * 32:k * 32 + 1 + k % 70] for k in range(2000)]  # all 16-byte aligned (k * 128 bytes)
+    assert count_launches(tk, lambda: tk._summarize_many_table(many)) == 2
+    xs = mixed_list()
+    _, plan, _, _ = tk._table_host(xs, "test")
+    assert len({key for key, *_ in plan}) == len(plan) >= 5  # one launch group per (read kind, alignment)
+    assert count_launches(tk, lambda: tk._summarize_many_table(xs)) == len(plan) + 1
+    assert count_launches(tk, lambda: tk.summarize(buffer)) == 2
+    assert count_launches(tk, lambda: tk.summarize(buffer[:0])) == 0
+    if tk.INTERPRETING:
+        assert count_launches(tk, lambda: tk.summarize_many(xs)) == 2 * sum(x.numel() > 0 for x in xs)
+
+
+def check_table(xs, block=None, iters=None):
+    """The pointer table's invariants, from its definition: every tensor's chunks are consecutive
+    and its own, in the range of its group's launch; groups tile the chunk space; the chunk length
+    of a group is its tile times its tiles per chunk."""
+    meta, plan, device, _ = tk._table_host(xs, "test", block, iters)
+    n = len(xs)
+    ptr, numel, cbase, nch, acc = (meta[k * n:(k + 1) * n].tolist() for k in range(5))
+    owner = meta[5 * n:].tolist()
+    total = len(owner)
+    assert sum(count for _, _, count, *_ in plan) == total and sum(nch) == total
+    first = 0
+    for (kind, acc64, code, aligned), start, count, g_iters, g_block, options in plan:
+        assert start == first and count > 0
+        first += count
+        size = next(d.itemsize for d, c in kern._PTR_CODE.items() if c == code)
+        assert g_block == (block or tk._block_for(kind, size)) and options == tk._stage1_options(kind, size)
+        members = [i for i in range(n) if numel[i] and start <= cbase[i] < start + count]
+        assert g_iters == (iters or tk._iters_for(sum(math.ceil(numel[i] / g_block) for i in members)))
+        for i in members:
+            assert (ptr[i] % 16 == 0) == aligned and acc[i] == int(acc64)
+            assert nch[i] == math.ceil(numel[i] / (g_block * g_iters))
+            assert cbase[i] + nch[i] <= start + count
+        assert sorted(members) == members == sorted(members, key=lambda i: cbase[i])  # list order within
+    for i in range(n):
+        assert nch[i] == 0 if numel[i] == 0 else owner[cbase[i]:cbase[i] + nch[i]] == [i] * nch[i]
+    assert len(plan) == len({key for key, *_ in plan})
+    assert sorted(owner) == sorted(i for i in range(n) for _ in range(nch[i]))  # every tensor in one group
+    return meta, plan
+
+
+def test_table_invariants():
+    gen = torch.Generator().manual_seed(12)
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.bool, torch.bfloat16, *FLOAT8_ALL[:1]]
+    xs = []
+    for i in range(300):
+        x = cast(special_values("mixed", 1 + (i * 7919) % 2000, gen), dtypes[i % len(dtypes)]).to(DEVICE)
+        xs.append(x[: i % 4] if i % 11 == 0 else x[1:] if i % 5 == 0 else x.reshape(-1, 1).t() if i % 13 == 0 else x)
+    for block, iters in ((None, None), (32, 2), (64, 1)):
+        check_table(xs, block, iters)
+    check_table(one_dtype_list(50))
+    check_table([torch.empty(0, device=DEVICE)] * 3)
+    # groups of more than 4096 tiles: several tiles per chunk (table only, nothing launched)
+    big32, big64 = torch.empty(2**23 + 5, device=DEVICE), torch.empty(2**22 + 3, dtype=torch.float64, device=DEVICE)
+    for xs in ([big32, *one_dtype_list(5)], [big32[1:], big64, *one_dtype_list(5), big64[3:]]):
+        _, plan = check_table(xs)
+        assert any(g_iters > 1 for _, _, _, g_iters, *_ in plan)
+    meta, plan = check_table(mixed_list())
+    assert len(plan) >= 5
+
+
+def test_table_rows_are_the_single_tensor_records_bit_for_bit():
+    """A multi-group batch (mixed sizes, dtypes, empty tensors, non-contiguous views, unaligned
+    addresses) with the tile and chunk length pinned: every row of the table path is bit for bit
+    the record summarize gives the tensor alone (same chunks, same combining order), and the
+    reference's."""
+    gen = torch.Generator().manual_seed(13)
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.bfloat16, torch.bool, torch.complex64, *FLOAT8_ALL[:1]]
+    xs = []
+    for i in range(24):
+        n = (0, 1, 31, 64, 65, 200, 333)[i % 7]
+        x = cast(special_values(VALUE_KINDS[i % len(VALUE_KINDS)], n + 2, gen), dtypes[i % len(dtypes)]).to(DEVICE)
+        xs.append((x[1:n + 1], x[:n][::2], x[:n])[i % 3])  # unaligned, strided, contiguous
+    rows = tk._summarize_many_table(xs, _block=32, _iters=2)
+    for i, x in enumerate(xs):
+        assert torch.equal(bits(rows[i]), bits(tk.summarize(x, _block=32, _iters=2))), f"row {i}"
+        assert_record_matches(rows[i], reference.summarize(x), x, f"row {i}")
+
+
+def test_summarize_reads_plain_contiguous_tensors_in_place(monkeypatch):
+    """summarize hands a plain contiguous tensor of a dtype the kernel reads natively to the kernel as
+    it is (no _prepare: no detach, reshape or views); everything else is prepared. The records are
+    bit for bit those of the prepared path, and the reference's."""
+    gen = torch.Generator().manual_seed(14)
+    base = cast(special_values("mixed", 500, gen), torch.float32).to(DEVICE)
+    z = cast(special_values("mixed", 40, gen), torch.complex64).to(DEVICE)
+    in_place = [base, base[3:403].reshape(20, 20), base[7], base[:0], base.double(),
+                cast(special_values("random", 90, gen), torch.int64).to(DEVICE),
+                cast(special_values("random", 90, gen), torch.uint8).to(DEVICE)]
+    prepared = [base.reshape(20, 25).t(), base[::2], torch.nn.Parameter(base.clone()), z, z.conj().imag,
+                cast(special_values("random", 30, gen), torch.bool).to(DEVICE), base.as_subclass(_Subclass),
+                *[cast(special_values("mixed", 40, gen), d).to(DEVICE) for d in FLOAT8_ALL[:1]]]
+    if tk.INTERPRETING:
+        prepared.append(base.half())
+    else:
+        in_place.append(base.half())
+    calls = []
+    real_prepare = tk._prepare
+    monkeypatch.setattr(tk, "_prepare", lambda x, op: calls.append(x) or real_prepare(x, op))
+    got = [tk.summarize(x, _block=64, _iters=2) for x in in_place + prepared]
+    assert [id(x) for x in calls] == [id(x) for x in prepared]
+    monkeypatch.setattr(tk, "_SINGLE_FAST", {})  # every tensor through _prepare
+    for x, rec in zip(in_place + prepared, got):
+        assert torch.equal(bits(rec), bits(tk.summarize(x, _block=64, _iters=2)))
+        assert_record_matches(rec, reference.summarize(x), x)
+
+
+def test_device_guard_only_when_the_device_changes(monkeypatch):
+    """Launches need the tensors' device to be current: torch.cuda.device is entered only when it is
+    not (its enter and exit cost two device exchanges per call); otherwise one shared no-op."""
+    assert tk._device_guard(torch.device("cpu")) is tk._NO_GUARD
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert tk._device_guard(torch.device("cuda", 1)) is tk._NO_GUARD
+    guard = tk._device_guard(torch.device("cuda", 0))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 0
+
+
+def test_triton_host_benchmark_counts(tmp_path):
+    """benchmarks/triton_host.py runs here (nothing launched) and reports O(1) launches per call of
+    the CUDA path and a fixed number of host torch operations per table build, whatever N."""
+    import json
+
+    from benchmarks import triton_host
+
+    out = tmp_path / "host.json"
+    assert triton_host.main(["--tensors", "120", "--repeats", "2", "--device", DEVICE, "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    table = got["launches"]["_summarize_many_table (the CUDA path)"]
+    assert table == {"1": 2, "10": 2, "100": 2, "120": 2}
+    assert got["launches"]["summarize (one tensor)"] == {"1": 2}
+    ops = got["table_host_torch_ops"]
+    assert ops["1"] == ops["120"] <= 30

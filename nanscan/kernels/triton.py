@@ -25,14 +25,63 @@ Known limitations:
   ``summarize_many`` falls back to two launches per tensor: a captured copy would re-read this
   call's host table -- a temporary pinned buffer -- at every replay, long after it was freed or
   reused.
-  The table's host side costs ~1 us of Python per tensor: a contiguous plain tensor (not a
+  The table's host side costs ~0.7 us of Python per tensor: a contiguous plain tensor (not a
   subclass, no negative bit; not fp16 / bf16 under the interpreter) contributes its data pointer
   and numel only, and the per-tensor arithmetic runs on small CPU tensors; every other tensor is
   validated and converted one by one (``_prepare``, 8 - 15 us). ``benchmarks/triton_host.py``
-  measures it.
+  measures it, and counts the launches and the table's torch operations.
+
+Host work on the GPU path (CUDA tensors, no interpreter), counted from this code -- it cannot be
+timed without a GPU. "Device allocations" go through the caching allocator; no path syncs the host.
+
+``summarize(x)``, a plain contiguous tensor, n > 0:
+
+=========================  ======================================  ==================================
+                           before (issue 44)                       now
+=========================  ======================================  ==================================
+input handling             ``_prepare``: ~12 checks, detach +      8 attribute reads; ``x`` is
+                           reshape (2 new tensors)                 passed as it is (other inputs:
+                                                                   ``_prepare``, as before)
+device allocations         3 (record, int / float partials)        3
+device guard               ``torch.cuda.device``: 2 exchanges      1 ``current_device`` query (a
+                                                                   guard only on another device)
+launches                   2                                       2
+empty tensor               0 launches, a new 10-float host         0 launches, one cached host
+                           tensor per call, 1 staged copy          tensor, 1 staged copy
+=========================  ======================================  ==================================
+
+``summarize_many(xs)``, N tensors in G (read kind, alignment) groups; per call:
+
+=========================  ======================================  ==================================
+                           before                                  now
+=========================  ======================================  ==================================
+capture check              ``current_device`` +                    same
+                           ``is_current_stream_capturing``
+table build (CPU tensors)  49 - 51 torch ops for one group, ~25    21 for one group of one-tile
+                           more per further group                  chunks, 24 otherwise, 28 - 32 for
+                                                                   several groups (~1 - 2 us each)
+                                                                   -- ``benchmarks/triton_host.py``
+host buffers               pageable table, then ``pin_memory``     the table is built in one
+                           (a pinned block and a second copy)      pinned block
+host-to-device copies      1 (asynchronous)                        1
+device allocations         4 (table, records, 2 partial buffers)   4
+device guard               2 exchanges                             as for ``summarize``
+launches                   G + 1                                   G + 1
+=========================  ======================================  ==================================
+
+and per tensor: 9 attribute reads and 3 list stores (``_entries``; a tensor it cannot read in place:
+``_prepare``), then 3 ints into torch -- before through ``torch.tensor(list)`` (~50 - 130 ns an
+int), now through ``array`` (~12 - 45 ns). On this project's 2-core CPU (``benchmarks.triton_host``,
+launches stubbed): per call 119 -> 55 us, per tensor 0.88 -> 0.73 us, of which 0.55 us is
+``_entries``. Triton's own work per launch is not ours to cut: ``JITFunction.run`` reads the
+current device and stream, binds and specializes every argument (~2.5 - 3 us on that CPU, triton
+3.8), builds a cache key (~1 us) and calls the driver; launching a cached compiled kernel directly
+would skip the binding and the key but depends on Triton internals (3.6 on the GPU machine, 3.8
+here) that only a GPU run could check.
 """
 
 import contextlib
+from array import array
 
 import torch
 import triton
@@ -60,7 +109,8 @@ from nanscan.kernels.triton_kernels import (
 __all__ = ["INTERPRETING", "SUPPORTED_TEXT", "summarize", "summarize_many"]
 
 _INF = float("inf")
-_IDENTITY = [0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0, 0.0, 0.0]  # the record of an empty tensor
+# the record of an empty tensor, on the host (the source of a staged copy: never written)
+_IDENTITY = torch.tensor([0.0, 0.0, 0.0, 0.0, _INF, -_INF, 0.0, -1.0, 0.0, 0.0], dtype=torch.float64)
 
 
 def _prepare(x: torch.Tensor, op: str):
@@ -87,10 +137,16 @@ def _prepare(x: torch.Tensor, op: str):
     return t, kind, acc64
 
 
+_NO_GUARD = contextlib.nullcontext()  # (reusable: it holds no state)
+
+
 def _device_guard(device: torch.device):
-    if device.type == "cuda":
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    """``torch.cuda.device(device)`` when ``device`` is a CUDA device other than the current one
+    (Triton launches on the current device); otherwise a no-op context -- entering and leaving
+    ``torch.cuda.device`` costs two device exchanges per call even when nothing changes."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -128,7 +184,7 @@ def _summarize_prepared(t, kind, acc64, out, block=None, iters=None):
     n = t.numel()
     if n == 0:  # the identity record: no kernel, one small host-to-device copy
         if not _capturing(out.device):
-            return out.copy_(torch.tensor(_IDENTITY, dtype=torch.float64), non_blocking=True)
+            return out.copy_(_IDENTITY, non_blocking=True)
         # under CUDA graph capture a pageable copy is not allowed: stage 2 over zero partials
         # writes the same identity record
         dummy_i = torch.empty(1, dtype=torch.int64, device=t.device)
@@ -160,7 +216,12 @@ def summarize(x: torch.Tensor, *, _block=None, _iters=None) -> torch.Tensor:
 
     Non-contiguous ``x`` is copied with ``.contiguous()`` first (a known limitation of this backend).
     ``_block`` / ``_iters`` override the tile size / tiles per program (tests only)."""
-    t, kind, acc64 = _prepare(x, "nanscan.triton_summarize")
+    info = _SINGLE_FAST.get(x.dtype) if type(x) is torch.Tensor else None
+    if (info is not None and x.layout is torch.strided and not x.is_nested and x.is_contiguous() and not x.is_neg()
+            and (x.is_cuda or (INTERPRETING and x.is_cpu))):
+        t, (kind, acc64) = x, info  # read in place: the kernel needs its address, numel and dtype only
+    else:
+        t, kind, acc64 = _prepare(x, "nanscan.triton_summarize")
     out = torch.empty(RECORD_SIZE, dtype=torch.float64, device=t.device)
     return _summarize_prepared(t, kind, acc64, out, _block, _iters)
 
@@ -215,18 +276,28 @@ _READ_KINDS = tuple(dict.fromkeys(
     (kind, acc64, _PTR_CODE[view_as or dtype], (view_as or dtype).itemsize)
     for dtype, (kind, acc64, view_as) in _DTYPE_INFO.items()))
 _READ_KIND_ID = {key: i for i, key in enumerate(_READ_KINDS)}
-# dtype -> read kind of the tensors the fast path takes; under the interpreter fp16 / bf16 are left
-# to _prepare, which converts them (see the module docstring).
+# A launch group's key: 2 * read kind, + 1 if its addresses are not 16-byte aligned. Per key, the tile
+# size and the float64-accumulation flag, as tables _table_host indexes (never written).
+_NGROUPS = 2 * len(_READ_KINDS)
+_GROUP_BLOCK = torch.tensor([_block_for(k[0], k[3]) for k in _READ_KINDS for _ in (0, 1)], dtype=torch.int64)
+_GROUP_ACC = torch.tensor([int(k[1]) for k in _READ_KINDS for _ in (0, 1)], dtype=torch.int64)
+# dtype -> 2 * read kind of the tensors the fast path takes; under the interpreter fp16 / bf16 are
+# left to _prepare, which converts them (see the module docstring).
 _FAST_DTYPES = {
-    dtype: _READ_KIND_ID[(kind, acc64, _PTR_CODE[view_as or dtype], (view_as or dtype).itemsize)]
+    dtype: 2 * _READ_KIND_ID[(kind, acc64, _PTR_CODE[view_as or dtype], (view_as or dtype).itemsize)]
     for dtype, (kind, acc64, view_as) in _DTYPE_INFO.items()
     if not (INTERPRETING and dtype in (torch.float16, torch.bfloat16))
 }
+# dtype -> (kind, acc64) of the tensors ``summarize`` hands to the kernel as they are (a plain
+# contiguous tensor on CUDA, or on the CPU under the interpreter, without a negative bit): those
+# read as their own dtype (not bool / float8, which the kernel reads as bytes through a view).
+_SINGLE_FAST = {dtype: (kind, acc64) for dtype, (kind, acc64, view_as) in _DTYPE_INFO.items()
+                if view_as is None and dtype in _FAST_DTYPES}
 
 
 def _entries(xs: list, op: str):
     """Validate ``xs`` and return what the pointer table needs of each tensor: ``(ptrs, numels,
-    read_kinds, device, keep)`` -- data pointers, element counts, indices into _READ_KINDS,
+    kind_keys, device, keep)`` -- data pointers, element counts, 2 * indices into _READ_KINDS,
     the common device, and the contiguous copies made for inputs that are not read in place
     (they must live until the launches are queued). Contiguous plain tensors take the fast path
     (see _FAST_TYPES); the rest, and every error, go through _prepare, in list order."""
@@ -237,12 +308,12 @@ def _entries(xs: list, op: str):
     fast = _FAST_DTYPES.get
     strided = torch.strided
     for i, x in enumerate(xs):
-        kind_id = fast(x.dtype) if type(x) in _FAST_TYPES else None
-        if (kind_id is not None and x.layout is strided and not x.is_nested and x.is_contiguous()
+        key = fast(x.dtype) if type(x) in _FAST_TYPES else None
+        if (key is not None and x.layout is strided and not x.is_nested and x.is_contiguous()
                 and not x.is_neg() and x.device == device):
             ptrs[i] = x.data_ptr()
             numels[i] = x.numel()
-            kinds[i] = kind_id
+            kinds[i] = key
         else:
             slow.append(i)
     if slow:
@@ -255,7 +326,7 @@ def _entries(xs: list, op: str):
         keep.append(t)
         ptrs[i] = t.data_ptr()
         numels[i] = t.numel()
-        kinds[i] = _READ_KIND_ID[(kind, acc64, _PTR_CODE[t.dtype], t.element_size())]
+        kinds[i] = 2 * _READ_KIND_ID[(kind, acc64, _PTR_CODE[t.dtype], t.element_size())]
     return ptrs, numels, kinds, device, keep
 
 
@@ -266,51 +337,67 @@ def _table_host(xs: list, op: str, block=None, iters=None):
     Returns ``(meta_host, plan, device, keep)``: the int64 table (data pointers, numels, first
     chunk and chunk count per tensor, float64-accumulation flags, then the owning tensor of every
     chunk), one ``((kind, acc64, code, aligned), first chunk, chunks, iters, block, options)`` per launch
-    group, the common device, and _entries' copies."""
+    group, the common device, and _entries' copies.
+
+    Groups are (read kind, 16-byte alignment), launched in the order of their key; every group's
+    chunks are numbered consecutively in one global chunk space, its tensors in list order. The
+    per-tensor arithmetic runs on small CPU tensors in a fixed number of operations (21 - 24 for
+    one group, 28 - 32 for several: each costs 1 - 2 us, whatever the list length), and the
+    per-tensor lists reach torch through one ``array`` (~12 - 45 ns an int; ``torch.tensor(list)``
+    takes ~50 - 130)."""
     n = len(xs)
     ptrs, numels, kinds, device, keep = _entries(xs, op)
-
-    # Groups (kind, acc64, pointer code, 16-byte alignment) in order of first appearance; every
-    # group's chunks are numbered consecutively in one global chunk space. Per-tensor arithmetic is
-    # done on CPU tensors, not in Python.
-    numel_t = torch.tensor(numels, dtype=torch.int64)
-    ptr_t = torch.tensor(ptrs, dtype=torch.int64)
-    ptr_t.masked_fill_(numel_t == 0, 0)  # (an empty tensor's address is never read)
-    kind_of = torch.tensor(kinds, dtype=torch.int64)
-    aligned = (ptr_t & 15) == 0  # (not remainder(16): integer remainder is ~200 ns an element on CPU)
-    group_of = torch.where(numel_t > 0, kind_of * 2 + aligned, -1)  # -1: no chunks (stage 2 writes the identity)
-    group_keys, first_at = [], []
-    for g in torch.unique(group_of).tolist():
-        if g >= 0:
-            first_at.append(int((group_of == g).nonzero()[0]))
-            group_keys.append(g)
-    acc = torch.tensor([int(k[1]) for k in _READ_KINDS], dtype=torch.int64)[kind_of]
-    nch = torch.zeros(n, dtype=torch.int64)
-    cbase = torch.zeros(n, dtype=torch.int64)
-    order, plan, total = [], [], 0
-    for _, g in sorted(zip(first_at, group_keys)):
-        kind, acc64, code, size = _READ_KINDS[g // 2]
-        idx = (group_of == g).nonzero().squeeze(1)
-        sizes = numel_t[idx]
-        g_block = block or _block_for(kind, size)
-        g_iters = iters or _iters_for(int((sizes + g_block - 1).div(g_block, rounding_mode="floor").sum()))
-        assert 1 <= g_iters <= _MAX_ITERS_PACKED and g_block % _UNROLL == 0, (g_iters, g_block)
-        chunk = g_block * g_iters
-        counts = (sizes + chunk - 1).div(chunk, rounding_mode="floor")
-        nch[idx] = counts
-        cbase[idx] = total + counts.cumsum(0) - counts
-        count = int(counts.sum())
-        plan.append(((kind, acc64, code, g % 2 == 1), total, count, g_iters, g_block, _stage1_options(kind, size)))
-        order.append(idx)
-        total += count
-    # The owner of every chunk: tensor order_t[k] owns the counts[k] chunks from its cbase on (each
-    # tensor in order_t has at least one). (Not repeat_interleave: on CPU it is a parallel_for with
+    cols = array("q", ptrs)
+    cols.extend(numels)
+    cols.extend(kinds)
+    ptr_t, numel_t, kind_t = torch.frombuffer(cols, dtype=torch.int64).view(3, n).unbind()
+    # (an empty tensor's key is whatever its address makes it: it has no blocks and no chunks, so it
+    # never makes a group of its own, and its address is never read)
+    group_t = (ptr_t & 15).clamp_(max=1).add_(kind_t)
+    nblocks = (numel_t - 1).div_(_GROUP_BLOCK[group_t] if block is None else block, rounding_mode="floor").add_(1)
+    per_group = torch.zeros(_NGROUPS, dtype=torch.int64).index_add_(0, group_t, nblocks).tolist()
+    chunk_of = array("q", [1]) * _NGROUPS  # elements per chunk by group key (1: no group, no chunks)
+    live = []
+    for g, g_blocks in enumerate(per_group):
+        if g_blocks:
+            kind, acc64, code, size = _READ_KINDS[g >> 1]
+            g_block = block or _block_for(kind, size)
+            g_iters = iters or _iters_for(g_blocks)
+            assert 1 <= g_iters <= _MAX_ITERS_PACKED and g_block % _UNROLL == 0, (g_iters, g_block)
+            chunk_of[g] = g_block * g_iters
+            live.append((g, (kind, acc64, code, g & 1 == 0), g_iters, g_block, _stage1_options(kind, size)))
+    # chunks per tensor (ceil; 0 for an empty one): its blocks when chunks are one tile (lists of
+    # small tensors). With one group, every tensor of another key is empty: its chunk length does
+    # not matter, and the tensors need no reordering.
+    if all(g_iters == 1 for _, _, g_iters, _, _ in live):
+        nch = nblocks
+    else:
+        chunk = chunk_of[live[0][0]] if len(live) == 1 else torch.frombuffer(chunk_of, dtype=torch.int64)[group_t]
+        nch = (numel_t - 1).div_(chunk, rounding_mode="floor").add_(1)
+    order = torch.argsort(group_t, stable=True) if len(live) > 1 else None  # group order; list order within
+    counts = nch if order is None else nch[order]
+    ends = counts.cumsum(0)
+    starts = ends - counts
+    cbase = starts if order is None else torch.empty_like(starts).index_copy_(0, order, starts)
+    total = int(ends[-1])
+    # The owner of every chunk: the position (in group order) of its tensor is the number of
+    # tensors that end at or before it. (Not repeat_interleave: on CPU it is a parallel_for with
     # grain 1, which waits for the thread pool even for a few thousand elements.)
-    order_t = torch.cat(order) if order else torch.zeros(0, dtype=torch.int64)
-    starts = torch.zeros(total, dtype=torch.int64)
-    starts[cbase[order_t[1:]]] = 1
-    owner = order_t[starts.cumsum(0)] if total else order_t
-    meta_host = torch.cat([ptr_t, numel_t, cbase, nch, acc, owner])
+    position = torch.bincount(ends[:-1], minlength=total)[:total].cumsum(0)
+    owner = position if order is None else order[position]
+    if len(live) > 1:
+        group_chunks = torch.zeros(_NGROUPS, dtype=torch.int64).index_add_(0, group_t, nch).tolist()
+    else:
+        group_chunks = {g: total for g, *_ in live}
+    plan, first = [], 0
+    for g, key, g_iters, g_block, options in live:
+        plan.append((key, first, group_chunks[g], g_iters, g_block, options))
+        first += group_chunks[g]
+    parts = [ptr_t, numel_t, cbase, nch, _GROUP_ACC[group_t], owner]
+    if device.type == "cuda":  # built in pinned memory: the host-to-device copy is asynchronous
+        meta_host = torch.cat(parts, out=torch.empty(5 * n + total, dtype=torch.int64, pin_memory=True))
+    else:
+        meta_host = torch.cat(parts)
     return meta_host, plan, device, keep
 
 
@@ -333,10 +420,8 @@ def _summarize_many_table(xs: list, *, _block=None, _iters=None) -> torch.Tensor
     n = len(xs)
     total = sum(entry[2] for entry in plan)
     out = torch.empty((n, RECORD_SIZE), dtype=torch.float64, device=device)
-    if device.type == "cuda":
-        # pinned, so the copy is truly asynchronous (no wait on the stream); the caching host
-        # allocator keeps the pinned block until the copy has completed
-        meta_host = meta_host.pin_memory()
+    # (on CUDA meta_host is pinned, so the copy is truly asynchronous -- no wait on the stream; the
+    # caching host allocator keeps the pinned block until the copy has completed)
     meta = meta_host.to(device, non_blocking=True)
     # The kernels get the whole table and its row length n, never slices: a slice at k * n int64
     # would be 16-byte aligned or not depending on the parity of n, and pointer alignment is part
