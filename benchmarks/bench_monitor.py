@@ -26,9 +26,10 @@ def make():
     return model, opt, idx
 
 
-def step(model, opt, idx):
-    """The plain loop: watch() needs no change to it (no mon.step, no check_loss)."""
-    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=DEVICE == "cuda"):
+def step(model, opt, idx, autocast: bool = DEVICE == "cuda"):
+    """The plain loop: watch() needs no change to it (no mon.step, no check_loss). bf16 autocast on
+    a GPU by default (``autocast``: on any device when asked, as benchmarks/traffic.py does)."""
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
         logits = model(idx)
     loss = F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
     loss.backward()

@@ -598,14 +598,10 @@ def record_listing(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from benchmarks.traffic import add_model_arguments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_arguments(parser)
     parser.add_argument("--autocast", choices=("none", "bf16"), default=None,
                         help="default: bf16 on cuda, none on cpu (as bench_monitor.py)")
     parser.add_argument("--warmup", type=int, default=3, help="steps observed while compiling (default 3)")

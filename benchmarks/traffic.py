@@ -91,7 +91,6 @@ import time
 import warnings
 
 import torch
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanscan
@@ -364,13 +363,20 @@ def make_gpt(*, layers, d, heads, vocab, seq, batch, device):
 
 def gpt_step(model, opt, idx, autocast: bool):
     """benchmarks/bench_monitor.py's plain loop step, with bf16 autocast on any device when asked."""
-    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
-        logits = model(idx)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss
+    from benchmarks.bench_monitor import step
+
+    return step(model, opt, idx, autocast)
+
+
+def add_model_arguments(parser) -> None:
+    """The benchmark GPT's shape and device options (this module's and benchmarks/compiled_traffic.py's)."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def time_added(model, opt, step, *, device, watch_options, rounds, steps, warmup=1) -> dict:
@@ -519,13 +525,7 @@ def table(results: list, bandwidth: float = H200_BANDWIDTH) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_model_arguments(parser)
     parser.add_argument("--autocast", choices=("none", "bf16", "both"), default="both",
                         help="fp32, bf16 autocast, or both side by side (default)")
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
