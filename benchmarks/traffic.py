@@ -237,10 +237,10 @@ def observe():
 
     def observed_wait(self):
         rows = self.rows
-        if rows is None:
+        if not self.lands:
             seen.empty_waits += 1
-        else:
-            seen.copies.append((self, rows.numel() * rows.element_size()))
+        else:  # (a CPU read decided in its blocks copies nothing: on a device it is the one sync)
+            seen.copies.append((self, 0 if rows is None else rows.numel() * rows.element_size()))
         return wait(self)
 
     def observed_fetch(self):
@@ -342,6 +342,8 @@ def account_step(step, device="cpu") -> dict:
         "launches_implied": sum(c["launches_implied"] for c in calls.calls),
         "syncs": seen.syncs,
         "waits": [{"rows": c.rows.shape[0], "device": str(c.rows.device), "event": c.event is not None}
+                  if c.rows is not None else  # (decided in its blocks on the CPU)
+                  {"rows": len(c.slots) + len(c.extra_names), "device": "cpu", "event": False}
                   for c, _ in seen.copies],
         "fetches": seen.fetches,
         "d2h_bytes": seen.d2h_bytes(),

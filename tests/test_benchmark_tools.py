@@ -236,3 +236,19 @@ def test_step_profile_puts_several_models_in_one_json(tmp_path):
     assert step_profile.main(["--model", "gpt, host-bound", "--steps", "1", "--warmup", "1", "--rounds", "0",
                               "--json", str(out)]) == 0
     assert list(json.loads(out.read_text())["models"]) == ["gpt", "host-bound"]
+
+
+def test_read_cost_prints_each_decisions_parts_and_slope_and_writes_json(tmp_path, capsys):
+    from benchmarks import read_cost
+
+    out = tmp_path / "read.json"
+    assert read_cost.main(["--layers", "2", "8", "--rounds", "2", "--steps", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "default (in blocks)" in text and "stacked, copied whole" in text and "per record" in text
+    result = json.loads(out.read_text())
+    for n, records in (("2", 14), ("8", 50)):  # (each layer: output, its gradient, weight, bias, 2 grads; + 2)
+        for decision in read_cost.DECISIONS:
+            r = result["results"][n][decision]
+            assert r["records"] == records and r["reads"] == 2 * 3
+            assert 0 < r["finishing_us"] < r["whole_us"] and r["python_calls"] > 0
+    assert result["results"]["2"]["cuda"]["python_calls"] == result["results"]["8"]["cuda"]["python_calls"]

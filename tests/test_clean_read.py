@@ -70,13 +70,34 @@ def test_a_clean_step_reads_back_the_count_and_nothing_else(monkeypatch, copies,
         assert c.read_back_bytes == 8 * (1 + len(c.extra_names))  # not 8 * RECORD_SIZE * records
 
 
-def test_on_the_cpu_the_host_decides_as_before(copies):
+def test_on_the_cpu_a_clean_read_is_decided_in_its_blocks(copies):
+    # the rows lie on the host already: nothing is copied or stacked for a clean read
+    mon = train(deep(4))
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    training = [c for c in copies if c.slots]
+    assert training
+    for c in training:
+        assert c.device_rows is None and c.host is None and c.read_back_bytes == 0
+        assert c.blocks and sum(b.shape[0] for b in c.blocks) == len(c.slots)
+
+
+def test_never_stacks_and_copies_every_read_whole(monkeypatch, copies):
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "never")
     mon = train(deep(4))
     assert mon.incidents == []
     for c in copies:
-        assert c.device_rows is None
+        assert c.device_rows is None and c.blocks is None
         if c.slots:
             assert c.host is not None and c.read_back_bytes == c.host.numel() * 8 >= len(c.slots) * RECORD_SIZE * 8
+
+
+def test_a_row_asked_of_a_read_in_blocks_is_stacked_then(copies):
+    train(deep(2), steps=1)
+    clean = next(c for c in copies if c.slots)
+    blocks = list(clean.blocks)
+    row = clean.row(len(clean.slots) - 1)
+    assert clean.host is not None and clean.host.shape[0] == sum(b.shape[0] for b in blocks)
+    assert row == blocks[-1][-1].tolist()
 
 
 def _activation(model, step, loss):
@@ -111,7 +132,7 @@ def _gradient(model, step, loss):
 def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decision(monkeypatch, copies, plant,
                                                                                      mode):
     results = {}
-    for where in ("never", "always"):
+    for where in ("never", "always", "cuda"):  # (on CPU rows "cuda" decides in blocks)
         monkeypatch.setattr(readback, "DEVICE_DECISION", where)
         copies.clear()
         mon = train(deep(6), steps=4, plant=plant, mode=mode)
@@ -121,15 +142,17 @@ def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decisio
             failing = [c for c in copies if c.bad]
             assert failing and all(c.host is not None for c in failing)  # the rows came back to say which
             assert all(c.host is None for c in copies if c.slots and not c.bad)  # ... only for them
+        if where == "cuda":
+            assert all(c.host is None for c in copies if c.slots and not c.bad)
     assert results["always"][0], "the planted fault was not found"
-    assert results["always"] == results["never"]
+    assert results["always"] == results["never"] == results["cuda"]
 
 
 def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
     # GradScaler's scale is read with the count: the same scale history, the same skipped updates
     # and incidents as the host's decision.
     histories = {}
-    for where in ("never", "always"):
+    for where in ("never", "always", "cuda"):
         monkeypatch.setattr(readback, "DEVICE_DECISION", where)
         torch.manual_seed(0)
         model = deep(3)
@@ -144,8 +167,10 @@ def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
         histories[where] = (list(mon.ledger.scale_history), mon.ledger.applied, [key(i) for i in mon.incidents])
         read = [c for c in copies if "scale" in c.extra_names]
         assert read and all((c.device_rows is not None) == (where == "always") for c in read)
+        if where == "cuda":  # (in blocks on the host: nothing copied, a failing read stacked)
+            assert all(c.device_rows is None and c.read_back_bytes == 0 for c in read)
         copies.clear()
-    assert histories["always"] == histories["never"]
+    assert histories["always"] == histories["never"] == histories["cuda"]
     assert histories["always"][0][0] == (0, 2.0 ** 126)
 
 
@@ -188,3 +213,14 @@ def test_on_a_gpu_the_default_decides_on_the_device(copies, mode):
     clean = [c for c in copies if c.slots and not c.bad]
     assert clean and all(c.device_rows is not None and c.host is None and c.read_back_bytes == 8 * (
         1 + len(c.extra_names)) for c in clean)
+
+
+@pytest.mark.parametrize("where", ["cuda", "never"])
+def test_a_clean_read_makes_as_many_python_calls_for_ten_times_the_records(where):
+    # what grows with the records is C++ loops (benchmarks/read_cost.py measures the time)
+    from benchmarks import read_cost
+
+    small = read_cost.run_reads(4, where, 3, count_calls=True)
+    large = read_cost.run_reads(40, where, 3, count_calls=True)
+    assert min(large["records"]) >= 9 * max(small["records"])
+    assert len(set(small["calls"])) == 1 and small["calls"] == large["calls"]

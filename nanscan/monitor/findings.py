@@ -55,6 +55,8 @@ class Findings:
     def judge(self, read) -> list:
         """The incidents of ``read`` that are new (Note [one incident per step and phase]), in
         training order; every non-finite name goes into :attr:`offenders`."""
+        if not read.bad:  # (a clean read: nothing to attribute)
+            return []
         found = first_incidents(read.slots, read.values, read.bad, allow=self.allow, rank=self.rank,
                                 reduced_grads=distributed.active(),
                                 handled_step=read.step if read.handled else None, position=read.position)

@@ -13,8 +13,16 @@ device: one reduction there -- the sum of every row's NaN / +Inf / -Inf counts, 
 host copies back, ``8 * (1 + scalars)`` bytes whatever the number of records. Only when that sum
 is not 0 are the full rows copied (a failing step: a second copy, in a read that is about to
 report), so the same rows decide the same incident. A consumer that asks a clean read for a row
-(``Copy.row``) gets it copied then. On the CPU the rows are on the host already and the one C++ pass
-over them is cheaper than the reduction, so the decision is made there (``DEVICE_DECISION``).
+(``Copy.row``) gets it copied then.
+
+On the CPU the rows are on the host already: such a read is decided where they lie, block by block
+(one C++ pass over each ``[k, RECORD_SIZE]`` block the windows and the gradient records made, with
+its offset), without stacking them into one tensor first -- the stack is made only when a row is
+asked for. So a clean read's host work is a fixed number of Python calls and torch ops whatever the
+number of records (``benchmarks/read_cost.py``); what grows with them is C++ loops.
+``DEVICE_DECISION`` picks the path: ``"cuda"`` (default) -- on the device for rows on a GPU, in
+blocks for rows on the CPU --, ``"always"`` (the tests: the device path run on CPU rows), ``"never"``
+(every read stacked and copied whole: the path before this note, kept as the A/B baseline).
 """
 from __future__ import annotations
 
@@ -28,7 +36,8 @@ from nanscan.record import RECORD_SIZE
 
 
 # Where a read that no consumer needs the rows of is decided (Note [a clean read comes back as one
-# number]): "cuda" -- rows on a GPU --, "always" (the tests: the device path run on CPU rows), "never".
+# number]): "cuda" -- on a GPU for rows there, in blocks for rows on the CPU --, "always" (the tests:
+# the device path run on CPU rows), "never" (stacked and copied whole).
 DEVICE_DECISION = "cuda"
 
 
@@ -36,9 +45,19 @@ def _decided_on_device(rows: torch.Tensor) -> bool:
     return DEVICE_DECISION == "always" or (DEVICE_DECISION == "cuda" and rows.is_cuda)
 
 
+def _decided_in_blocks(blocks: list, extras: list) -> bool:
+    """A read whose records and scalars all lie on the CPU, decided where they lie (the default)."""
+    return DEVICE_DECISION == "cuda" and all(b.is_cpu for b in blocks) and all(e.is_cpu for _, e in extras)
+
+
+_NONFINITE_ROWS = []  # (the C++ function, looked up once: the read calls it per block)
+
+
 def _nonfinite_rows(host: torch.Tensor, n: int) -> list:
     """Rows ``< n`` of the landed records with a NaN / +Inf / -Inf count (C++: one pass, no tensor op)."""
-    return _ops.monitor_extension().nonfinite_rows(host, n)
+    if not _NONFINITE_ROWS:
+        _NONFINITE_ROWS.append(_ops.monitor_extension().nonfinite_rows)
+    return _NONFINITE_ROWS[0](host, n)
 
 
 class Copy:
@@ -68,6 +87,15 @@ class Copy:
         # ``rows`` is then the summary in flight ([non-finite count, scalars...]).
         self.device_rows: Optional[torch.Tensor] = None
         self.read_back_bytes = 0  # what the host copied back (the summary, and the rows if they came)
+        # Decided in blocks on the CPU: the records as the windows made them (stacked only if a row
+        # is asked for), and the scalars as tensors.
+        self.blocks: Optional[list] = None
+        self.extra_tensors: tuple = ()
+
+    @property
+    def lands(self) -> bool:
+        """The wait has records or scalars to land (on a device: the read's one host sync)."""
+        return self.rows is not None or self.blocks is not None
 
     @classmethod
     def start(cls, blocks, slots, extras, traced, *, handled: bool, step: int, non_blocking: bool,
@@ -76,6 +104,12 @@ class Copy:
         (``(name, one-element tensor)``) and the compiled rows (sub-windows of ``window_rows``
         rows), and start the copy. ``rows_wanted`` False: no consumer needs the rows of a clean read
         (Note [a clean read comes back as one number])."""
+        names = tuple(name for name, _ in extras)
+        if not rows_wanted and traced is None and blocks and _decided_in_blocks(blocks, extras):
+            copy = cls(None, None, slots, names, 0, handled, step)
+            copy.blocks = blocks
+            copy.extra_tensors = tuple(e for _, e in extras)
+            return copy
         parts = []
         # Rows are RECORD_SIZE wide, COLUMNS when the compiled path's rows join them (each op here
         # costs host time: one cat of the records, a pad only when the widths differ).
@@ -89,7 +123,6 @@ class Copy:
         parts += [e.detach().to(torch.float64).reshape(1, 1).expand(1, width) for _, e in extras]
         if traced is not None:
             parts.append(traced)
-        names = tuple(name for name, _ in extras)
         n_traced = 0 if traced is None else traced.shape[0]
         if not parts:
             return cls(None, None, slots, names, 0, handled, step)
@@ -117,6 +150,17 @@ class Copy:
         """Land the copy (the one host sync of the read) and find the non-finite rows."""
         if self.event is not None:
             self.event.synchronize()
+        if self.blocks is not None:  # on the CPU, decided where the rows lie
+            self.extras = {name: float(e) for name, e in zip(self.extra_names, self.extra_tensors)}
+            self.extra_tensors = ()
+            bad, start = set(), 0
+            for block in self.blocks:
+                found = _nonfinite_rows(block, block.shape[0])
+                if found:
+                    bad.update(start + i for i in found)
+                start += block.shape[0]
+            self.bad = bad
+            return
         if self.rows is None:
             return
         host = self.rows.cpu()
@@ -141,8 +185,12 @@ class Copy:
                 self.traced.append(list(zip(written, block[written].tolist())) if written else [])
 
     def _fetch_rows(self) -> torch.Tensor:
-        """The rows of a read decided on the device, copied now (once)."""
-        if self.host is None:
+        """The rows of a read decided on the device, copied now (once); of one decided in blocks,
+        stacked now."""
+        if self.host is None and self.blocks is not None:
+            self.host = torch.cat(self.blocks) if len(self.blocks) > 1 else self.blocks[0]
+            self.blocks = None
+        elif self.host is None:
             self.host = self.device_rows.cpu()
             self.read_back_bytes += self.host.numel() * self.host.element_size()
         return self.host

@@ -1,0 +1,227 @@
+"""What a clean read costs the host, as the number of records grows: the read and its decision
+apart from the records it finishes.
+
+The model is ``n`` ``nn.Linear(8, 8)`` layers at batch 2 on one thread, trained with SGD (lr 0:
+the values stay the same, every step is clean) in a plain loop, watched with the defaults: every
+step is read once, before the update, and no consumer needs the rows (no step log, telemetry,
+spikes or headroom: Note [a clean read comes back as one number] in nanscan/monitor/readback.py).
+A read then holds about ``6 n`` records: each layer's output and its gradient, its weight and bias
+after the last update, and their gradients.
+
+Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around each call):
+
+- **whole read**: everything the read does on the host, from taking the windows to the last
+  consumer's decision;
+- **records finished at the read**: the parts of it that make records -- the read window's and the
+  gradient sink's ``take`` (on the CPU they summarize, in one pass, the small tensors copied on
+  arrival: HostRows in csrc/monitor/grad_sink.h; on a device, the last batch's launch) and the
+  parameter gradients' records (``ModelTensors.grad_block``: one ``grad_records`` call). That is
+  kernel work on the CPU, a launch or two on a device;
+- **read + decision**: the difference -- stacking or not, the copy, the non-finite test, the
+  findings and every consumer: what the clean-step target is about (<= 30 us at 1,000 records, flat
+  in the number of records);
+- **Python calls**: functions and builtins called from Python during one read (``sys.setprofile``
+  "call" and "c_call" events, in a separate pass: the profile hook slows the read).
+
+Each ``n`` is measured with the read decided as by default (``DEVICE_DECISION = "cuda"``: on the
+CPU, in the blocks the windows made, nothing stacked) and stacked and copied whole (``"never"``:
+the read before the clean-read path), in interleaved rounds (one round: ``--steps`` watched steps
+of each decision, order flipped every round); a number is the median over every read of the
+rounds. The slope per record is (the largest ``n``'s value - the smallest's) / (their record
+difference).
+
+    python -m benchmarks.read_cost [--layers 16 160] [--rounds R] [--steps K] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import nanscan
+from nanscan.monitor import readback
+from nanscan.monitor.monitor import Monitor
+from nanscan.monitor.tensors import ModelTensors
+
+DECISIONS = ("cuda", "never")
+
+
+class _Timed:
+    """Stands for a C++ read window (or gradient sink) in ``Reading``: times its ``take``. (The
+    hooks hold the C++ object itself: only the read's calls come through here.)"""
+
+    def __init__(self, inner, spent: list):
+        self._inner, self._spent = inner, spent
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("_inner", "_spent"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    def __len__(self):
+        return len(self._inner)
+
+    def take(self):
+        t = time.perf_counter_ns()
+        try:
+            return self._inner.take()
+        finally:
+            self._spent[-1] += time.perf_counter_ns() - t
+
+
+def _model(layers: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+    return model, torch.optim.SGD(model.parameters(), lr=0.0), torch.randn(2, 8)
+
+
+def _train(model, opt, x, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+
+def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False) -> dict:
+    """Watch a fresh ``layers``-layer model, train ``steps`` steps (after 2 untimed ones) with the
+    read decided by ``decision``; per read: whole and records-finished nanoseconds, records, and
+    (``count_calls``) Python calls."""
+    model, opt, x = _model(layers)
+    whole, finishing, records, calls = [], [], [], []
+    read_and_decide, grad_block = Monitor._read_and_decide, ModelTensors.grad_block
+    decision_before = readback.DEVICE_DECISION
+
+    def timed_read(self, *args, **kwargs):
+        finishing.append(0)
+        counted = [0]
+        if count_calls:
+            def profile(frame, event, arg):
+                if event in ("call", "c_call"):
+                    counted[0] += 1
+            sys.setprofile(profile)
+        t = time.perf_counter_ns()
+        try:
+            return read_and_decide(self, *args, **kwargs)
+        finally:
+            whole.append(time.perf_counter_ns() - t)
+            if count_calls:
+                sys.setprofile(None)
+                calls.append(counted[0])
+
+    def timed_grad_block(self, *args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            found = grad_block(self, *args, **kwargs)
+        finally:
+            finishing[-1] += time.perf_counter_ns() - t
+        return found
+
+    readback.DEVICE_DECISION = decision
+    Monitor._read_and_decide, ModelTensors.grad_block = timed_read, timed_grad_block
+    try:
+        with nanscan.watch(model, opt) as mon:
+            reading = mon.reading
+            reading.window = _Timed(reading.window, finishing)
+            if reading.grad_sink is not None:
+                reading.grad_sink = _Timed(reading.grad_sink, finishing)
+            _train(model, opt, x, 2)
+            del whole[:], finishing[:], calls[:]
+            seen = readback.Copy.start.__func__
+
+            def counting_start(cls, blocks, slots, *args, **kwargs):
+                records.append(len(slots))
+                return seen(cls, blocks, slots, *args, **kwargs)
+
+            readback.Copy.start = classmethod(counting_start)
+            try:
+                _train(model, opt, x, steps)
+            finally:
+                readback.Copy.start = classmethod(seen)
+                Monitor._read_and_decide, ModelTensors.grad_block = read_and_decide, grad_block
+            assert mon.incidents == [], "the benchmark's steps must be clean"
+    finally:
+        readback.DEVICE_DECISION = decision_before
+        Monitor._read_and_decide, ModelTensors.grad_block = read_and_decide, grad_block
+    return {"whole_ns": whole, "finishing_ns": finishing, "records": records, "calls": calls}
+
+
+def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
+    results = {}
+    for n in layers:
+        samples = {d: {"whole_ns": [], "finishing_ns": [], "records": [], "calls": []} for d in DECISIONS}
+        for r in range(rounds):
+            for decision in (DECISIONS if r % 2 == 0 else DECISIONS[::-1]):
+                got = run_reads(n, decision, steps)
+                for k in ("whole_ns", "finishing_ns", "records"):
+                    samples[decision][k] += got[k]
+        for decision in DECISIONS:
+            samples[decision]["calls"] = run_reads(n, decision, 3, count_calls=True)["calls"]
+            s = samples[decision]
+            whole = statistics.median(s["whole_ns"]) / 1e3
+            finishing = statistics.median(s["finishing_ns"]) / 1e3
+            rest = statistics.median([w - f for w, f in zip(s["whole_ns"], s["finishing_ns"])]) / 1e3
+            results.setdefault(str(n), {})[decision] = {
+                "records": statistics.median(s["records"]), "whole_us": whole, "finishing_us": finishing,
+                "read_and_decision_us": rest, "python_calls": statistics.median(s["calls"]),
+                "reads": len(s["whole_ns"])}
+    return {"layers": list(layers), "rounds": rounds, "steps": steps, "torch": torch.__version__,
+            "results": results}
+
+
+def slopes(result: dict) -> dict:
+    """Per decision: (largest n - smallest n) per record, of each measure."""
+    res = result["results"]
+    small, large = res[str(min(result["layers"]))], res[str(max(result["layers"]))]
+    out = {}
+    for d in DECISIONS:
+        records = large[d]["records"] - small[d]["records"]
+        out[d] = {k: (large[d][k] - small[d][k]) / records if records else float("nan")
+                  for k in ("whole_us", "finishing_us", "read_and_decision_us", "python_calls")}
+    return out
+
+
+def table(result: dict) -> str:
+    names = {"cuda": "default (in blocks)", "never": "stacked, copied whole"}
+    lines = [f"{'layers':>6} {'records':>8} {'decision':<22} {'whole us':>9} {'records finished us':>20} "
+             f"{'read+decision us':>17} {'Python calls':>13}", "-" * 100]
+    for n in result["layers"]:
+        for d in DECISIONS:
+            r = result["results"][str(n)][d]
+            lines.append(f"{n:>6} {r['records']:>8.0f} {names[d]:<22} {r['whole_us']:>9.1f} "
+                         f"{r['finishing_us']:>20.1f} {r['read_and_decision_us']:>17.1f} {r['python_calls']:>13.0f}")
+    for d, s in slopes(result).items():
+        lines.append(f"per record, {names[d]}: whole {s['whole_us']:.3f} us, records finished "
+                     f"{s['finishing_us']:.3f} us, read+decision {s['read_and_decision_us']:.3f} us, Python calls "
+                     f"{s['python_calls']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[16, 160])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(tuple(args.layers), args.rounds, args.steps)
+    print(f"read cost: n x Linear(8,8), batch 2, 1 thread, cpu, torch {torch.__version__}, "
+          f"{args.rounds} rounds x {args.steps} steps per decision")
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
