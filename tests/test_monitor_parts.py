@@ -220,7 +220,7 @@ def _outcomes(**options):
 
     written = []
     outcomes = Outcomes(WatchConfig(**options), Ledger(), Findings(allow=(), rank=0), steplog=None,
-                        headroom=None, capturer=_NoBundle(), write_bundle=written.append)
+                        consumers=[], capturer=_NoBundle(), write_bundle=written.append)
     return outcomes, written
 
 

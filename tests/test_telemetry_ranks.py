@@ -45,9 +45,16 @@ def worker(rank, world, style):
     def collect(step, scalars):
         points[str(step)] = scalars
 
-    if style == "ddp":
+    if style in ("ddp", "ddp_failing"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if style == "ddp_failing" and rank == 1:  # telemetry fails on rank 1 at its first read
+            from nanscan.monitor.health import Health
+
+            def boom(self, read):
+                raise RuntimeError("boom")
+
+            Health.observe = boom
         model = DDP(_net())
         telemetry = collect if rank == 0 else None  # rank 1 has no sinks: it still contributes
         warned = _train(model, lambda step: _batch(step, rank), telemetry, clip=True)
@@ -117,3 +124,11 @@ def test_plain_parameters_that_differ_across_ranks_are_left_out_not_guessed(tmp_
     assert "nanscan/grad_norm" not in points["0"]  # each rank's own gradients: no global norm
     assert "nanscan/param_norm/0.weight" not in points["2"]  # updated apart: they differ by step 2
     assert any("cannot be known" in w for w in got[0]["warned"])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_telemetry_failing_on_one_rank_turns_it_off_everywhere_without_a_hang(tmp_path):
+    got = ranks.spawn(worker, 2, tmp_path, "ddp_failing")  # (returns: no rank waited for another)
+    assert any("telemetry failed and is turned off" in w and "boom" in w for w in got[1]["warned"])
+    assert got[0]["warned"] == ["nanscan: telemetry failed on rank(s) [1] and is turned off"]
+    assert got[0]["points"] == {}  # (the first point found rank 1 failed: none is published)

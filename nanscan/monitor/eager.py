@@ -225,6 +225,7 @@ class EagerHooks:
 
     def __init__(self, monitor, infos: list, record_grads: bool, extension):
         self.monitor = monitor
+        self.triggers = monitor.triggers  # (the events it reports: nanscan.monitor.triggers.Triggers)
         self.infos = infos
         self.recorded_forward = False  # a training forward was recorded in this read window
         self.cpp = extension.Hooks([i.name for i in infos], [i.module for i in infos], [i.is_root for i in infos],
@@ -298,7 +299,7 @@ class EagerHooks:
     # --------------------------------------------------------------- called back by the C++ hooks
     def begin(self, index: int, args, kwargs):
         """An outermost watched call starts: ``(phase, step)`` its records get, or None."""
-        phase = self.monitor._forward_begins(self.infos[index], args, kwargs)
+        phase = self.triggers.forward_begins(self.infos[index], args, kwargs)
         if phase is None:
             return None
         if phase == "forward":
@@ -307,15 +308,15 @@ class EagerHooks:
 
     def forward_aborted(self) -> None:
         """The last outermost forward raised (the C++ side keeps its rows for attribution only)."""
-        self.monitor._forward_aborted()
+        self.triggers.forward_aborted()
 
     def forward_ends(self, index: int) -> None:
-        self.monitor._forward_ends(self.infos[index])
+        self.triggers.forward_ends(self.infos[index])
 
     def model_loss(self, output) -> None:
         """The root returned ``output["loss"]`` (recorded as the loss): ``check_loss`` of the same
         tensor must not record it twice."""
-        self.monitor._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
+        self.triggers.model_returned_loss(output)
 
     # --------------------------------------------------------------- the hooks
     # Everything a call needs is bound once here: in eager a hook is one check and one C++ call.

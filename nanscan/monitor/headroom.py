@@ -22,12 +22,13 @@ import collections
 import dataclasses
 import fnmatch
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from nanscan.headroom import dtype_max, headroom_bits, trend
-from nanscan.monitor.slots import Block, EagerRows, GradBlock
+from nanscan.monitor.consumers import ReadConsumer
+from nanscan.monitor.slots import EagerRows, GradBlock, Slot
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.warn import warn
 
@@ -84,7 +85,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-class HeadroomWatch:
+class HeadroomWatch(ReadConsumer):
     """Per monitor: the threshold, the casts it knows of, the tracked tensors' history.
 
     ``casts``: ``{fnmatch pattern: dtype}`` for tensors the user knows are cast, unscaled, to a
@@ -93,8 +94,11 @@ class HeadroomWatch:
     float8 cast by itself. ``grads=False`` leaves gradients out (with a GradScaler: loss scaling
     keeps them near float16's largest value on purpose, and the scaler handles their overflow)."""
 
-    def __init__(self, bits: float, casts: Optional[dict] = None, rank: int = 0, grads: bool = True):
+    what = "the headroom check"
+
+    def __init__(self, bits: float, casts: Optional[dict] = None, rank: int = 0, grads: bool = True, steplog=None):
         self.threshold = float(bits)
+        self.steplog = steplog  # (each step's lowest headroom and the events go to its step log)
         self.grads = grads
         self.casts = [(p, d, dtype_max(d)) for p, d in (casts or {}).items()]
         self.rank = rank
@@ -133,15 +137,16 @@ class HeadroomWatch:
                     return ac, limit
         return None
 
-    def observe(self, slots: list, at: Callable, values: Callable, candidates) -> list:
-        """Look at one decoded read: ``candidates`` are the slot indices whose headroom (against
-        their own dtype or a possible cast) is within ``threshold + ZONE`` bits (:func:`near_rows`);
-        ``at(i)`` gives slot i, ``values(i)`` its record. Returns the new events."""
+    def _look(self, read, candidates) -> list:
+        """Look at one decoded read: ``candidates`` are the row indices whose headroom (against
+        their own dtype or a possible cast) is within ``threshold + ZONE`` bits (:func:`near_rows`).
+        Returns the new events."""
         lowest: dict = {}
         new = []
         self.lowest = {}
+        values = read.values
         for i in candidates:
-            s = at(i)
+            s = read.slot(i)
             if not s.candidate or s.stale or s.derived or s.phase == "eval" or s.dtype is None:
                 continue  # (a compiled path's input row may be an output recorded already: it is not tracked twice)
             if s.kind == "grad" and not self.grads:
@@ -208,23 +213,27 @@ class HeadroomWatch:
         """A recent training forward ran under float16 autocast."""
         return any(d == torch.float16 for d in self.autocast.values())
 
-    def check(self, read, steplog=None) -> list:
-        """Look at a landed :class:`~nanscan.monitor.read.Read`: a vectorized pass over the hooks'
-        host records (one C++ call, :meth:`near_rows`), Python only for the rows near overflow;
-        the events and each step's lowest headroom go to ``steplog`` when given. Returns the new
-        events."""
+    def observe(self, read) -> list:
+        """Look at a landed training :class:`~nanscan.monitor.read.Read`: a vectorized pass over the
+        hooks' host records (one C++ call, :meth:`near_rows`), Python only for the rows near
+        overflow; the events and each step's lowest headroom go to the step log, if any. Returns
+        the new events."""
+        if not read.training:
+            return []
         n = read.eager_count
         near = []
         if n and read.host is not None:
-            near = self.near_rows(read.host[:n], row_maxima(read.slots, n), self.fp16_autocast)
+            near = self.near_rows(read.host[:n], row_maxima(read, n), self.fp16_autocast)
         total = len(read.slots)
         if total > n:  # the compiled path's rows (Slot objects already)
             values = torch.tensor([read.values(i)[:RECORD_SIZE] for i in range(n, total)], dtype=torch.float64)
-            maxima = row_maxima(read.slots[n:], total - n)
+            maxima = torch.tensor([max_of(s.dtype) if s.dtype is not None else math.nan for s in read.slots[n:]],
+                                  dtype=torch.float64)
             near += [n + j for j in self.near_rows(values, maxima, self.fp16_autocast)]
         bad = read.bad
         near = [i for i in near if i not in bad]
-        events = self.observe(read.slots, read.slot, read.values, near)
+        events = self._look(read, near)
+        steplog = self.steplog
         if steplog is not None:
             for step, lowest in self.lowest.items():
                 steplog.headroom(step, lowest)
@@ -244,36 +253,30 @@ def max_of(dtype) -> float:
     return limit
 
 
-def row_maxima(slots: list, n: int) -> torch.Tensor:
-    """Per slot of a read window (the first ``n``), its dtype's largest finite value (NaN where
+def row_maxima(read, n: int) -> torch.Tensor:
+    """Per row of a read's first ``n`` (the window's), its dtype's largest finite value (NaN where
     unknown): the hooks' rows and each block of tensors in one C++ call, Python slots from their
-    dtypes. (One pass that jumps over blocks; the hooks' rows stand in for many entries.)"""
+    dtypes."""
     from nanscan import _ops
 
     extension = _ops.monitor_extension()
     maxima = torch.full((n,), math.nan, dtype=torch.float64)
     eager_done = False
-    i = 0
-    while i < n:
-        s = slots[i]
+    for start, end, s in read.runs():
+        if start >= n:
+            break
         t = type(s)
         if t is EagerRows:
-            if not eager_done:
+            if not eager_done:  # (one call for the window's every hook row: NaN at its Python entries)
                 eager_done = True
-                m = s.rows.dtype_maxima()  # (NaN at the window's Python entries)
+                m = s.rows.dtype_maxima()
                 k = min(n, m.shape[0])
                 maxima[:k] = torch.where(torch.isnan(m[:k]), maxima[:k], m[:k])
-            i += 1
         elif t is GradBlock:
-            end = s.start + len(s.meta)
-            maxima[s.start:end] = s.meta.dtype_maxima()
-            i = max(end, i + 1)
-        elif isinstance(s, Block):
-            end = s.start + len(s.tensors)
-            maxima[s.start:end] = extension.dtype_maxima(list(s.tensors))
-            i = max(end, i + 1)
+            maxima[start:end] = s.meta.dtype_maxima()[start - s.start:end - s.start]
+        elif t is Slot:
+            if s.dtype is not None:
+                maxima[start] = max_of(s.dtype)
         else:
-            if getattr(s, "dtype", None) is not None:
-                maxima[i] = max_of(s.dtype)
-            i += 1
+            maxima[start:end] = extension.dtype_maxima(list(s.tensors[start - s.start:end - s.start]))
     return maxima

@@ -41,7 +41,8 @@ from nanscan.allow import name_allowed
 from nanscan.monitor import distributed
 from nanscan.monitor.headroom import max_of
 from nanscan.monitor.health_ranks import RankPlan, combine
-from nanscan.monitor.slots import Block, EagerRows, GradBlock
+from nanscan.monitor.consumers import ReadConsumer, StepListener
+from nanscan.monitor.slots import EagerRows, GradBlock, Slot
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.telemetry.scalars import PREFIX, scalar_name
 from nanscan.warn import warn
@@ -72,8 +73,11 @@ def make_health(config, model) -> Optional["Health"]:
                   idle_sinks=sinks if rank != publisher else None)
 
 
-class Health:
-    """Collects and publishes the telemetry points of one monitor (see the module docstring)."""
+class Health(ReadConsumer, StepListener):
+    """Collects and publishes the telemetry points of one monitor (see the module docstring): a
+    consumer of every training read and a listener of the step log's completed steps."""
+
+    what = "telemetry"
 
     def __init__(self, publisher, every: int, lag: int, names: tuple = ("*",), ranks: Optional[RankPlan] = None,
                  idle_sinks=None):
@@ -108,13 +112,16 @@ class Health:
         back for the read of a checked step, less for the read at ``close`` after an unchecked one.)"""
         return self.wants(read.step) or self.wants((read.step - 1) // self.lag * self.lag)
 
+    def wants_numbers(self, read) -> bool:
+        return self.wants_read(read)
+
     def observe(self, read) -> None:
         """One decoded training :class:`~nanscan.monitor.read.Read`: the non-finite counts of its
         rows (only the non-finite rows are looked at), and, when it holds records of a telemetry
         step -- its own step's, or the previous checked step's parameters after the update --, the
         statistics of those (from the host records in one conversion, rows described without
         making a Slot of each)."""
-        if self.failed:
+        if self.failed or not read.training:
             return
         bad = read.bad
         if not self.wants_read(read):
@@ -126,31 +133,23 @@ class Health:
             return
         n = read.eager_count
         host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
-        slots, i, total = read.slots, 0, len(read.slots)
-        while i < total:
-            s = slots[i]
+        for start, end, s in read.runs():
             t = type(s)
             if t is EagerRows:
-                self._eager_row(s, i, host[i], i in bad)
-                i += 1
-            elif t is GradBlock:  # (gradients of module outputs: not sent)
-                i = s.start + len(s.meta)
-            elif isinstance(s, Block):
-                end = s.start + len(s.names)
-                if (s.kind == "grad" and s.param is not None) or (s.kind == "param" and s.phase == "update"):
-                    names, tensors, kind, phase, param = s.names, s.tensors, s.kind, s.phase, s.param
-                    block_step = s.step
-                    for k in range(end - s.start):
-                        j = s.start + k
-                        t_ = tensors[k]
-                        self._row(kind, phase, True, param, names[k], t_.dtype, t_.numel(), block_step,
-                                  host[j] if j < n else read.values(j), j in bad)
-                i = max(end, i + 1)
-            else:
+                for i in range(start, end):
+                    self._eager_row(s, i, host[i], i in bad)
+            elif t is Slot:
                 if s.step is not None and not s.stale:
                     self._row(s.kind, s.phase, s.candidate, s.param, s.name, s.dtype, math.prod(s.shape), s.step,
-                              host[i] if i < n else read.values(i), i in bad)
-                i += 1
+                              host[start] if start < n else read.values(start), start in bad)
+            elif t is not GradBlock:  # (gradients of module outputs: not sent)
+                if (s.kind == "grad" and s.param is not None) or (s.kind == "param" and s.phase == "update"):
+                    names, tensors, kind, phase, param = s.names, s.tensors, s.kind, s.phase, s.param
+                    block_step, first = s.step, s.start
+                    for j in range(start, end):
+                        t_ = tensors[j - first]
+                        self._row(kind, phase, True, param, names[j - first], t_.dtype, t_.numel(), block_step,
+                                  host[j] if j < n else read.values(j), j in bad)
 
     def _eager_row(self, rows: EagerRows, i: int, v, bad: bool) -> None:
         row = rows.module_output(i)
@@ -250,6 +249,20 @@ class Health:
         self._unpublished = None
         self._publish_point(step, raw or {}, values, clipped, contrib)
 
+    def completed(self, done) -> list:
+        self.step_done(done.step, loss=done.loss, grad_norm=done.grad_norm, loss_scale=done.loss_scale,
+                       skipped=done.update == "skipped", nonfinite=sum(done.nonfinite.values()),
+                       clipped=done.clipped)
+        return []
+
+    def event(self, event) -> None:
+        """An event another listener found (a spike): its numbers to the sinks, at its step."""
+        if self.publisher is not None and not self.failed:
+            self.publisher.publish(event.step, event.telemetry())
+
+    def run_ends(self, failure: bool) -> None:
+        self.publish_pending(failure=failure)
+
     def publish_pending(self, failure: bool = False) -> None:
         """Note [the failure reaches the tracker]: a point at the last complete step that was not a
         telemetry step, published off schedule, when the run would otherwise lose what it counted --
@@ -299,10 +312,12 @@ class Health:
         if self.publisher is not None:
             self.publisher.publish(step, _points(raw, counts, values))
 
-    def fail(self) -> None:
-        """A failure of telemetry on this rank (already warned about): nothing more is published; under
-        torch.distributed the rank still takes part in the gathers, so no rank waits for it."""
+    def turn_off(self) -> None:
+        """A failure of telemetry on this rank (warned about once): nothing more is published; under
+        torch.distributed the rank still takes part in the gathers (it stays on the step log's list,
+        sending that it failed), so no rank waits for it."""
         self.failed = True
+        self.off = self.ranks is None
         if self.ranks is None and self.publisher is not None:
             self.publisher.close()
             self.publisher = None

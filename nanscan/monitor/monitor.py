@@ -57,13 +57,18 @@ from nanscan.monitor.tensors import ModelTensors
 from nanscan.monitor.torch_hooks import WATCHED as _WATCHED
 from nanscan.monitor.torch_hooks import graph_has_compiled_function, graph_reaches
 from nanscan.monitor.traced import TracedRows, release_hook_guards
-from nanscan.monitor.triggers import wrap_closure, wrap_scaler
+from nanscan.monitor.triggers import Triggers, wrap_closure, wrap_scaler
 from nanscan.warn import warn
 
 
 class Monitor(Results):
     """Watches one model; see :func:`watch` for the options. Use as a context manager (or call
-    :meth:`close`): hooks are removed and pending records are checked on exit."""
+    :meth:`close`): hooks are removed and pending records are checked on exit. Its interface is the
+    table in docs/monitor.md ("What the monitor gives you": the properties of
+    :class:`~nanscan.monitor.results.Results`, ``ledger``, ``skipper``, ``config``, :meth:`step`,
+    :meth:`check_loss`, :meth:`capture`, :meth:`close`); every other attribute is one of its parts.
+    The hooks in other files reach it only through ``triggers``
+    (:class:`~nanscan.monitor.triggers.Triggers`)."""
 
     def __init__(self, model, optimizer=None, scaler=None, config: Optional[WatchConfig] = None):
         config = self.config = config if config is not None else WatchConfig()
@@ -80,15 +85,18 @@ class Monitor(Results):
         self.rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                                      and torch.distributed.is_initialized()) else 0
         self.findings = Findings(config.allow, self.rank)
-        # Telemetry (Health) hears of every read and, through the step log, of every complete step.
+        # The read consumers, in order: the step log (and through it, the listeners of completed
+        # steps: spikes, then telemetry), headroom (into the step log's steps), telemetry, spikes.
         health = make_health(config, model)  # (under torch.distributed: a collective)
-        # Spike warnings need every checked step's loss and gradient norm: the step log has them.
         spikes = SpikeWatch(config.spikes) if config.spikes is not None else None
-        self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, health, spikes)
-                                           if config.log is not None or health is not None or spikes is not None
-                                           else None)
-        headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None)
+        listeners = [part for part in (spikes, health) if part is not None]
+        self.steplog: Optional[StepLog] = (StepLog(config.log, self.rank, listeners)
+                                           if config.log is not None or listeners else None)
+        headroom = (HeadroomWatch(config.headroom_bits, config.headroom_cast, self.rank, grads=scaler is None,
+                                  steplog=self.steplog)
                     if config.headroom_bits is not None else None)
+        consumers = [part for part in (self.steplog, headroom, health, spikes) if part is not None]
+        self._headroom, self._spikes = headroom, spikes  # (Results' views)
         self._autocast_probe = AutocastProbe()
         self._capturer = StepCapture(model, optimizer, scaler, config.capture_dir, config.keep_pre_update_state,
                                      self.rank, config.mode)
@@ -96,12 +104,12 @@ class Monitor(Results):
         self.skipper = (StepSkipper(model, config.max_consecutive_skips, config.allow)
                         if config.on_nonfinite == "skip" else None)
         # What a landed read leads to (ledger, findings, step log, headroom, telemetry, the policy).
-        self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, headroom, self._capturer,
-                                 write_bundle=self.capture, skipper=self.skipper, spikes=spikes)
+        self.outcomes = Outcomes(config, self.ledger, self.findings, self.steplog, consumers, self._capturer,
+                                 write_bundle=self.capture, skipper=self.skipper)
         infos = [ModuleInfo(name or ROOT, m, m is model, k) for k, (name, m) in enumerate(model.named_modules())]
         # (Note [modules changed after watch])
         self._index_of_module = {id(m): k for k, (_, m) in enumerate(model.named_modules())}
-        extension = self._extension = _ops.monitor_extension()
+        extension = _ops.monitor_extension()
         if extension is None:
             raise RuntimeError(f"nanscan.watch needs nanscan's compiled library (its hooks and read windows are "
                                f"C++): {_ops.LOAD_ERROR}")
@@ -112,8 +120,14 @@ class Monitor(Results):
         # The read windows (eager hooks, eval forwards), the gradient sink, async mode's copy in flight.
         reading = self.reading = Reading(extension, infos, summarize, activation_grads=self.activation_grads)
         self.slots, self.eval_slots, self.grad_sink = reading.window, reading.eval_window, reading.grad_sink
+        # What the hooks outside this file tell the monitor (the one way in).
+        self.triggers = Triggers(
+            forward_begins=self._forward_begins, forward_aborted=self._forward_aborted,
+            forward_ends=self._forward_ends, model_returned_loss=self._model_returned_loss,
+            backward_called=self._backward_called, higher_order=self._higher_order, clipped=self._clipped,
+            module_registered=self._module_registered)
         self.hooks = EagerHooks(self, infos, self.activation_grads, extension)
-        self.traced = TracedRows(self, infos, self.tensors.kernels_for)
+        self.traced = TracedRows(self, infos, self.tensors.kernels_for, extension)
         reading.follow_stamps(self.traced.owner)  # (eager records placed among the compiled rows)
         # Where the step is: its only writer (the triggers below tell it what happened).
         self.state = StepState(config.every, on_recording=self.traced.set_recording)
@@ -243,6 +257,11 @@ class Monitor(Results):
     def _forward_ends(self, info: ModuleInfo) -> None:
         if self.hooks.phase == "eval":
             self._read_eval()
+
+    def _model_returned_loss(self, output) -> None:
+        """The root returned ``output["loss"]`` (recorded as the loss): ``check_loss`` of the same
+        tensor must not record it twice."""
+        self._loss_ref = weakref.ref(output["loss"]) if isinstance(output, dict) else None
 
     def _fused_amp_found_inf(self, optimizer) -> Optional[torch.Tensor]:
         """With a GradScaler and an optimizer that handles AMP itself (fused Adam/AdamW/SGD),
@@ -554,7 +573,7 @@ class Monitor(Results):
             scale=getattr(scaler, "_scale", None) if scaler is not None else None, found_inf=found_inf,
             handled=not before_update and scaler is not None and state.attempted and state.applied is False
             and not final, final=final, non_blocking=self.config.mode == "async" and not final, steplog=self.steplog,
-            rows_wanted=self.steplog is not None or self.outcomes.headroom is not None)
+            rows_wanted=self.outcomes.rows_wanted)
         # The earlier read first: its records were made first (async mode decodes a read late).
         previous, copy = self.reading.swap_in_flight(copy, keep=self.config.mode == "async" and not final)
         error = None

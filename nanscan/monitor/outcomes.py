@@ -4,8 +4,9 @@ log; the findings (:mod:`~nanscan.monitor.findings`) and their agreement across 
 headroom and telemetry; then the policy for a reported incident -- the bundle (once), the log line,
 and raise, warn or only record (``on_nonfinite``).
 
-Each consumer is given the read; none reaches back into the monitor. A failure of headroom or
-telemetry is nanscan's own: warned once, that consumer turned off, training goes on.
+The read goes to the consumers in one list (:class:`~nanscan.monitor.consumers.ReadConsumer`: the
+step log, headroom, telemetry, the spike baselines, in that order); none reaches back into the
+monitor. A failure of one is nanscan's own: warned once, that consumer turned off, training goes on.
 """
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from typing import Callable, Optional
 
 from nanscan.guard import attach_note
 from nanscan.monitor.config import WatchConfig
+from nanscan.monitor.consumers import tell
 from nanscan.monitor.findings import Findings
-from nanscan.monitor.headroom import HeadroomWatch
 from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.read import Read
 from nanscan.monitor.skipping import StepSkipper, limit_note
-from nanscan.monitor.spikes import SpikeWatch
 from nanscan.monitor.stepcapture import StepCapture
 from nanscan.monitor.steplog import StepLog
 from nanscan.warn import warn
@@ -28,15 +28,16 @@ __all__ = ["Outcomes"]
 
 
 class Outcomes:
-    """The consumers of one monitor's reads. ``write_bundle(incident)`` writes the failure bundle
-    of the incident's step (the monitor's ``capture``)."""
+    """What one monitor's reads lead to. ``consumers``: the read consumers, in order (the step log
+    first: headroom writes into its steps); ``steplog`` (also one of them, or None) has the extras and
+    the incidents written; ``write_bundle(incident)`` writes the failure bundle of the incident's
+    step (the monitor's ``capture``)."""
 
     def __init__(self, config: WatchConfig, ledger: Ledger, findings: Findings, steplog: Optional[StepLog],
-                 headroom: Optional[HeadroomWatch], capturer: StepCapture,
-                 write_bundle: Callable[[Incident], str], skipper: Optional[StepSkipper] = None,
-                 spikes: Optional[SpikeWatch] = None):
+                 consumers: list, capturer: StepCapture, write_bundle: Callable[[Incident], str],
+                 skipper: Optional[StepSkipper] = None):
         self.config, self.ledger, self.findings = config, ledger, findings
-        self.steplog, self.headroom, self.capturer = steplog, headroom, capturer
+        self.steplog, self.consumers, self.capturer = steplog, list(consumers), capturer
         self._write_bundle = write_bundle
         self.fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self.raised = False  # a NonFiniteError was raised (close() then records, never raises)
@@ -44,7 +45,6 @@ class Outcomes:
         # pre-hook (the only read whose update can still be skipped); a reported incident there leaves
         # skip_report for it to act on.
         self.skipper = skipper
-        self.spikes = spikes
         self.before_update = False
         self.skip_report: Optional[Incident] = None
 
@@ -52,14 +52,8 @@ class Outcomes:
         """Everything a read leads to; ``raise_incident`` False warns, None records silently."""
         self.take_extras(read)
         found = self.findings.judge(read)
-        if self.steplog is not None:
-            self.steplog.observe(read)
-        if self.headroom is not None and read.training:
-            self._check_headroom(read)
-        if read.training and self.steplog is not None and self.steplog.health is not None:
-            self._observe_health(read)
-        if read.training and self.spikes is not None:
-            self._observe_spikes(read)
+        if self.consumers:
+            tell(self.consumers, lambda consumer: consumer.observe(read))
         found, report = self.findings.agree(read, found)
         self.findings.add(found)
         if report is None:
@@ -124,34 +118,14 @@ class Outcomes:
             attach_note(error, note)
         raise error
 
-    def _check_headroom(self, read: Read) -> None:
-        """Headroom of a landed read's rows (:meth:`HeadroomWatch.check`)."""
-        try:
-            self.headroom.check(read, self.steplog)
-        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
-            self.headroom = None
-            warn(f"nanscan: the headroom check failed and is turned off: {error!r}", RuntimeWarning, stacklevel=5)
-
-    def _observe_health(self, read: Read) -> None:
-        """Telemetry's look at a read (:mod:`nanscan.monitor.health`)."""
-        try:
-            self.steplog.health.observe(read)
-        except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.steplog.health.fail()
-            if self.steplog.health.ranks is None:
-                self.steplog.health = None
-            warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=5)
-
-    def _observe_spikes(self, read: Read) -> None:
-        """The module outputs' numbers for the spike baselines (:mod:`nanscan.monitor.spikes`)."""
-        try:
-            self.spikes.observe(read)
-        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
-            self.spikes = self.steplog.spikes = None
-            warn(f"nanscan: the spike warnings failed and are turned off: {error!r}", RuntimeWarning, stacklevel=5)
+    @property
+    def rows_wanted(self) -> bool:
+        """A consumer walks the reads' rows (else a clean read is decided in its blocks: Note [a clean
+        read comes back as one number] in :mod:`~nanscan.monitor.readback`)."""
+        return any(not consumer.off for consumer in self.consumers)
 
     def log_incidents(self, incidents) -> None:
-        if self.steplog is not None:
+        if self.steplog is not None and self.steplog.logging:
             capturer = self.capturer
             for inc in incidents:
                 self.steplog.incident(inc, capturer.bundle_path if inc.step == capturer.bundle_step else None)

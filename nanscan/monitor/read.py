@@ -9,6 +9,7 @@ production order, whatever their source:
 
 * ``slots[i]`` -- what row ``i`` is (a :class:`~nanscan.monitor.slots.Slot`, or a lazy run standing
   in for each of its rows; :meth:`slot` gives the Slot);
+* :meth:`runs` -- the rows as runs ``(start, end, source)``: the one way a consumer walks a read;
 * :meth:`values` ``(i)`` -- its record as Python floats (decoded only when asked: a consumer asks
   for the few rows it needs);
 * ``bad`` -- the indices of the rows holding a NaN or an Inf;
@@ -26,6 +27,7 @@ warn policy each take a ``Read``; none of them reaches back into the monitor.
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import Callable, Optional
 
 from nanscan.monitor.readback import Copy
@@ -39,7 +41,7 @@ class Read:
 
     __slots__ = ("step", "training", "final", "handled", "slots", "bad", "values", "position", "eager_count",
                  "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host", "order_known",
-                 "grads_in_graphs")
+                 "grads_in_graphs", "_runs")
 
     def __init__(self, *, step: int, slots: list, values: Callable, bad: set, training: bool = True,
                  final: bool = False, handled: bool = False, position: Optional[Callable] = None,
@@ -59,6 +61,7 @@ class Read:
         # How the eager records and the compiled rows interleave is known (always, without compiled rows).
         self.order_known = order_known
         self.grads_in_graphs = False  # compiled graphs record the gradients of their modules (set by land)
+        self._runs = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -66,6 +69,30 @@ class Read:
     def slot(self, i: int):
         """Row ``i`` as a :class:`~nanscan.monitor.slots.Slot`."""
         return at(self.slots, i)
+
+    def runs(self) -> list:
+        """The rows in index order as runs ``(start, end, source)``, the one way every consumer walks
+        a read: ``source`` is an :class:`~nanscan.monitor.slots.EagerRows` (the hooks' rows
+        ``start .. end - 1``, described by the C++ rows one at a time), a
+        :class:`~nanscan.monitor.slots.GradBlock` or :class:`~nanscan.monitor.slots.Block` (rows
+        that share step, phase and kind: ``source.start`` is its first row, ``k = i -
+        source.start`` row ``i``'s place in it; no Slot is made) or a
+        :class:`~nanscan.monitor.slots.Slot` (one row). Made once per read, when first asked
+        (a read no consumer walks never makes them), in one C pass over the slot list: a lazy run
+        stands in for each of its rows, so equal neighbours are one run."""
+        runs = self._runs
+        if runs is None:
+            runs, start = [], 0
+            for _, group in itertools.groupby(self.slots, id):
+                members = list(group)
+                source, end = members[0], start + len(members)
+                if isinstance(source, Block):
+                    runs.append((start, end, source))
+                else:  # (a Slot is one row; one object twice in a row is still two rows)
+                    runs.extend((i, i + 1, source) for i in range(start, end))
+                start = end
+            self._runs = runs
+        return runs
 
     @classmethod
     def land(cls, copy: Copy, traced, *, link_compiled_weights: bool) -> "Read":
@@ -136,10 +163,13 @@ class Read:
         if not self.compiled or (self.order_known and (phase == "forward" or self.grads_in_graphs)):
             return set()
         steps = set()
-        for i, s in enumerate(self.slots[:self.eager_count]):
+        for start, end, s in self.runs():
+            if start >= self.eager_count:
+                break
             if type(s) is not EagerRows:
                 continue
-            kind, info, _, step, phase = s.rows.row(i)[:5]
-            if kind in (OUTPUT, BODY) and phase == "forward" and not s.infos[info].is_root:
-                steps.add(step)
+            for i in range(start, end):
+                kind, info, _, step, phase = s.rows.row(i)[:5]
+                if kind in (OUTPUT, BODY) and phase == "forward" and not s.infos[info].is_root:
+                    steps.add(step)
         return steps

@@ -30,14 +30,15 @@ class Results:
     @property
     def headroom(self) -> Optional[HeadroomWatch]:
         """The headroom watch (None when off, or turned off by its own failure)."""
-        return self.outcomes.headroom
+        headroom = self._headroom
+        return headroom if headroom is not None and not headroom.off else None
 
     @property
     def spikes(self) -> list:
         """The loss / gradient-norm spikes found so far (:class:`~nanscan.monitor.spikes.SpikeEvent`;
-        ``watch(..., spikes=True)``)."""
-        spikes = self.outcomes.spikes
-        return spikes.events if spikes is not None else []
+        ``watch(..., spikes=True)``; those found before a failure of the spike warnings turned them
+        off included)."""
+        return self._spikes.events if self._spikes is not None else []
 
     @property
     def headroom_events(self) -> list:

@@ -47,7 +47,8 @@ import dataclasses
 import math
 from typing import Optional
 
-from nanscan.monitor.slots import Block, EagerRows
+from nanscan.monitor.consumers import ReadConsumer, StepListener
+from nanscan.monitor.slots import EagerRows, Slot
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.warn import warn
 
@@ -103,6 +104,8 @@ class SpikeEvent:
     ``module_ratio`` (its value over its baseline); None when no module's numbers departed (the
     jump came from the data or the loss alone, or the modules' numbers were not read)."""
 
+    LOG_TYPE = "spike"  # (the type of its event log line; a class attribute, not a field)
+
     step: int
     metric: str
     value: float
@@ -124,6 +127,10 @@ class SpikeEvent:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def telemetry(self) -> dict:
+        """Its scalar for the telemetry sinks: the ratio to the baseline."""
+        return {f"nanscan/spike/{self.metric}": self.ratio}
 
 
 class _Baseline:
@@ -159,8 +166,12 @@ class _Baseline:
         self.dev += alpha * (abs(err) - self.dev) if self.n > 2 else abs(err) - self.dev
 
 
-class SpikeWatch:
-    """The baselines and events of one monitor (see the module docstring)."""
+class SpikeWatch(ReadConsumer, StepListener):
+    """The baselines and events of one monitor (see the module docstring): a consumer of every
+    training read (the module outputs' numbers) and a listener of the step log's completed steps
+    (the loss and the gradient norm)."""
+
+    what = "the spike warnings"
 
     def __init__(self, policy: SpikePolicy):
         self.policy = policy
@@ -173,6 +184,8 @@ class SpikeWatch:
 
     def observe(self, read) -> None:
         """A decoded training read: its module outputs' numbers, in production order."""
+        if not read.training:
+            return
         policy = self.policy
         first = {}
         for step, name, numel, v in _module_outputs(read):
@@ -197,6 +210,10 @@ class SpikeWatch:
                 base.add(x, policy, limit if base.n >= policy.warmup else 0.0)
         for step, departed in first.items():
             self._departed.setdefault(step, departed)
+
+    def completed(self, done) -> list:
+        """A completed step that ended (a step only read at close is not one the loop ran)."""
+        return self.step_done(done.step, loss=done.loss, grad_norm=done.grad_norm) if done.ended else []
 
     def step_done(self, step: int, *, loss, grad_norm) -> list:
         """A checked step's loss and gradient norm; returns its new :class:`SpikeEvent` s (also kept)."""
@@ -235,7 +252,7 @@ class SpikeWatch:
             base.add(x, policy, limit)
         for event in found:
             self.events.append(event)
-            warn(str(event), SpikeWarning, stacklevel=6)
+            warn(str(event), SpikeWarning, stacklevel=9)
         return found
 
 
@@ -244,18 +261,13 @@ def _module_outputs(read):
     (the eager hooks' rows, then other rows; blocks of parameters and gradients are passed over)."""
     n = read.eager_count
     host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
-    slots, i, total = read.slots, 0, len(read.slots)
-    while i < total:
-        s = slots[i]
+    for start, end, s in read.runs():
         t = type(s)
         if t is EagerRows:
-            row = s.module_output(i)
-            if row is not None and row[1] == "forward" and row[2]:
-                yield row[0], row[3], row[5], host[i]
-            i += 1
-        elif isinstance(s, Block):
-            i = max(s.start + (len(s.meta) if hasattr(s, "meta") else len(s.names)), i + 1)
-        else:
+            for i in range(start, end):
+                row = s.module_output(i)
+                if row is not None and row[1] == "forward" and row[2]:
+                    yield row[0], row[3], row[5], host[i]
+        elif t is Slot:
             if s.kind == "activation" and s.phase == "forward" and s.candidate and not s.stale and s.step is not None:
-                yield s.step, s.name, math.prod(s.shape), (host[i] if i < n else read.values(i))
-            i += 1
+                yield s.step, s.name, math.prod(s.shape), (host[start] if start < n else read.values(start))

@@ -37,27 +37,45 @@ import math
 import warnings
 from typing import Optional
 
-from nanscan.monitor.slots import Block, EagerRows, GradBlock
+from nanscan.monitor.consumers import CompletedStep, ReadConsumer, tell
+from nanscan.monitor.slots import EagerRows, Slot
 from nanscan.record import RECORD_SIZE, Field
 from nanscan.vocabulary import TRAINING_PHASES
 
 
-class StepLog:
-    def __init__(self, log, rank: int, health=None, spikes=None):
+class StepLog(ReadConsumer):
+    """The step log of one monitor (see the module docstring): a :class:`ReadConsumer` of every
+    read, and the one that hands each completed step to its ``listeners`` (telemetry, the spike
+    baselines: :class:`~nanscan.monitor.consumers.StepListener`), in order. ``log`` None: no event
+    log is written (the listeners still get their steps)."""
+
+    def __init__(self, log, rank: int, listeners=()):
         from nanscan.log import EventLog
 
         self.steps: dict = {}  # step -> its entry, only for checked steps still to be written
         self.error: Optional[BaseException] = None
         self.written = -1  # the last step flushed: a record of it or of an earlier step is late
         self._losses: list = []  # (loss slot, entry in the training window) recorded since the last read
-        # The step's numbers go to the event log (log None: none) and to telemetry (health None: none).
-        self.health = health
-        self.spikes = spikes  # (spike warnings: every checked step's loss and gradient norm)
+        self.listeners = list(listeners)
         self.logging = log is not None
         self.owned = log is not None and not isinstance(log, EventLog)
         self.log = log if not self.owned else None
         if self.owned:  # opening it is a write too: a failure warns once and logging stops
             self._write(lambda: setattr(self, "log", EventLog(log, rank=rank)))
+
+    @property
+    def what(self) -> str:
+        fed = [listener.what for listener in self.listeners if not listener.off]
+        return "the step log" + (f" (and with it {', '.join(fed)})" if fed else "")
+
+    def turn_off(self) -> None:
+        """Its own failure: no more lines, and the listeners it feeds are turned off too (the steps
+        it would give them now miss what it failed to fold). Telemetry under torch.distributed
+        stays in its gathers (:meth:`Health.turn_off`), so flushing goes on for it."""
+        self.off = True
+        self.logging = False
+        for listener in self.listeners:
+            listener.turn_off()
 
     def _entry(self, step: int) -> Optional[dict]:
         """The entry of ``step``, made if needed; None when ``step`` was flushed already (late)."""
@@ -76,15 +94,20 @@ class StepLog:
         self._losses.append((slot, entry))
 
     @staticmethod
-    def _eval_read(slots, rows) -> bool:
-        """Whether ``rows`` (the hook rows of a read) are an eval forward's: a read window is of one
-        phase, and each hook row says which but a loss row (phase ``"loss"`` in either)."""
-        for i, s in enumerate(slots):
-            if s is rows:
-                phase = rows.slot(i).phase
-                if phase != "loss":
-                    return phase == "eval"
+    def _eval_read(runs) -> bool:
+        """Whether a read's hook rows are an eval forward's: a read window is of one phase, and each
+        hook row says which but a loss row (phase ``"loss"`` in either)."""
+        for start, end, s in runs:
+            if type(s) is EagerRows:
+                for i in range(start, end):
+                    phase = s.rows.row(i)[4]
+                    if phase != "loss":
+                        return phase == "eval"
         return False
+
+    def _wanted(self, read) -> bool:
+        """A listener needs this read's numbers of its steps (loss, gradient norm) -- or the log does."""
+        return self.logging or any(listener.wants_numbers(read) for listener in self.listeners if not listener.off)
 
     def observe(self, read) -> None:
         """Fold one decoded :class:`~nanscan.monitor.read.Read` into its steps; an eval forward's read
@@ -92,16 +115,17 @@ class StepLog:
         are decoded -- non-finite ones, losses, parameter gradients (their norm) --, the hooks' rows
         from one conversion of the host records, and no Slot is made for a block's row (making a
         Slot of each row costs more than the rest of the read)."""
-        slots, bad = read.slots, read.bad
-        eager = list({id(s): s for s in slots if type(s) is EagerRows}.values())
-        if any(self._eval_read(slots, rows) for rows in eager):
+        runs, bad = read.runs(), read.bad
+        if self._eval_read(runs):
             return
+        eager = list({id(s): s for _, _, s in runs if type(s) is EagerRows}.values())
         for rows in eager:
             for step in rows.steps:
                 e = self._entry(step)
                 if e is not None:
                     e["read"] = True
-        if not self.logging and self.spikes is None and self.health is not None and not self.health.wants_read(read):
+        slots = read.slots
+        if not self._wanted(read):
             # Telemetry alone, and no telemetry step in this read: only what adds up between points
             # (non-finite counts, kept per step) is needed, and the loss (a point published off
             # schedule has it: Note [the failure reaches the tracker]).
@@ -125,22 +149,17 @@ class StepLog:
         def values(i):
             return host[i] if i < n_host else read.values(i)
 
-        i, total = 0, len(slots)
-        while i < total:
-            s = slots[i]
+        for start, end, s in runs:
             t = type(s)
-            if t is EagerRows:
-                if i in bad or i in s.loss_entries:
+            if t is EagerRows:  # (only its non-finite rows and its losses)
+                wanted = bad | s.loss_entries
+                for i in sorted(i for i in wanted if start <= i < end):
                     row = s.slot(i)
                     self._fold(row.step, row.phase, row.kind, row.param, row.candidate, values(i), i in bad)
-                i += 1
-            elif isinstance(s, Block):  # (a block's rows share step, phase and kind: no Slot made for any)
-                end = s.start + (len(s.meta) if t is GradBlock else len(s.names))
-                self._fold_block(s, end, bad, values)
-                i = max(end, i + 1)
-            else:
-                self._fold(s.step, s.phase, s.kind, s.param, s.candidate, values(i), i in bad)
-                i += 1
+            elif t is Slot:
+                self._fold(s.step, s.phase, s.kind, s.param, s.candidate, values(start), start in bad)
+            else:  # (a block's rows share step, phase and kind: no Slot made for any)
+                self._fold_block(s, start, end, bad, values)
 
     def _fold(self, step, phase, kind, param, candidate, v, is_bad: bool) -> None:
         """One decoded row into its step's entry."""
@@ -166,8 +185,8 @@ class StepLog:
         if kind == "grad" and param is not None:
             e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
 
-    def _fold_block(self, block, end: int, bad: set, values) -> None:
-        """The rows [block.start, end) of one block: only its non-finite rows, and every row of the
+    def _fold_block(self, block, start: int, end: int, bad: set, values) -> None:
+        """The rows [start, end) of one block: only its non-finite rows, and every row of the
         parameter gradients (their norm), are decoded."""
         if block.phase == "eval":
             return
@@ -175,7 +194,6 @@ class StepLog:
         if e is None:
             return
         e["read"] = True
-        start = block.start
         broken = sorted(j for j in bad if start <= j < end)
         for j in broken:  # (counts, and a non-finite gradient's kind; the norm is summed below)
             self._count(e, block.phase, block.kind, block.param, True, values(j))
@@ -225,8 +243,9 @@ class StepLog:
         self._write(lambda: self.log.incident(incident, bundle=bundle, step=incident.step))
 
     def flush(self, before: Optional[int] = None) -> None:
-        """Write the checked steps before ``before``, in step order: the monitor passes the first
-        step whose records may still be coming (it keeps a step back while its
+        """Write the checked steps before ``before``, in step order, and give each to the listeners
+        (after its line: a sink's KeyboardInterrupt cannot lose the line): the monitor passes the
+        first step whose records may still be coming (it keeps a step back while its
         parameters-after-update records are still to be read: they come with the next step's
         copy), so every record of an earlier step is in. An earlier entry that did not end is not
         a checked step's (only checked steps end here): it is dropped. ``before`` None (close):
@@ -247,44 +266,25 @@ class StepLog:
                 grad_norm = math.inf
             elif e["grad_sumsq"] is not None:
                 grad_norm = math.sqrt(e["grad_sumsq"])
-            if self.spikes is not None and e["ended"]:
-                self._spikes(step, e["loss"], grad_norm)
             extra = {"headroom": dict(sorted(e["headroom"].items(), key=lambda kv: kv[1]))} if e["headroom"] else {}
             # (_write calls it at once; a lambda, not a partial: self.log and e are read inside _write's try)
             self._write(lambda step=step, e=e, grad_norm=grad_norm, extra=extra: self.log.step(
                 step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"], lr=e.get("lr"),
                 update=e.get("update"), nonfinite=e["nonfinite"], **extra))
-            if self.health is not None:  # (after the log line: a sink's KeyboardInterrupt cannot lose it)
-                self._publish(step, e, grad_norm)
+            if self.listeners:
+                self._completed(CompletedStep(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
+                                              update=e.get("update"), nonfinite=e["nonfinite"],
+                                              clipped=e.get("clip_norm") is not None, ended=e["ended"]))
 
-    def _spikes(self, step: int, loss, grad_norm) -> None:
-        """The step's loss and gradient norm to the spike baselines; a spike goes to the event log and
-        the telemetry sinks (a failure here is nanscan's own: warned once, spike warnings off)."""
-        try:
-            events = self.spikes.step_done(step, loss=loss, grad_norm=grad_norm)
-        except Exception as error:  # pragma: no cover - nanscan's own failure never stops training
-            self.spikes = None
-            warnings.warn(f"nanscan: the spike warnings failed and are turned off: {error!r}", RuntimeWarning,
-                          stacklevel=4)
-            return
-        for event in events:
+    def _completed(self, done: CompletedStep) -> None:
+        """``done`` to each listener in order; the events one finds are written (their own line) and
+        given to every listener. A listener's failure turns it off (warned once)."""
+        found = [event for events in tell(self.listeners, lambda listener: listener.completed(done), 7)
+                 for event in events]
+        for event in found:
             fields = {k: v for k, v in event.to_dict().items() if k != "step"}
-            self._write(lambda event=event, fields=fields: self.log.event("spike", event.step, **fields))
-            health = self.health
-            if health is not None and health.publisher is not None:
-                health.publisher.publish(step, {f"nanscan/spike/{event.metric}": event.ratio})
-
-    def _publish(self, step: int, e: dict, grad_norm) -> None:
-        """The step's numbers to telemetry (a failure there is nanscan's own: warned once, telemetry off)."""
-        try:
-            self.health.step_done(step, loss=e["loss"], grad_norm=grad_norm, loss_scale=e["loss_scale"],
-                                  skipped=e.get("update") == "skipped", nonfinite=sum(e["nonfinite"].values()),
-                                  clipped=e.get("clip_norm") is not None)
-        except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.health.fail()
-            if self.health.ranks is None:
-                self.health = None
-            warnings.warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
+            self._write(lambda event=event, fields=fields: self.log.event(event.LOG_TYPE, event.step, **fields))
+            tell(self.listeners, lambda listener, event=event: listener.event(event), 7)
 
     def _write(self, write) -> None:
         if self.error is not None or not self.logging:
@@ -297,26 +297,23 @@ class StepLog:
                           stacklevel=4)
 
     def failed(self) -> None:
-        """A step raised its incident: every step read so far is written and its telemetry point
-        published now, before the error stops the loop (Note [the failure reaches the tracker] in
-        :mod:`nanscan.monitor.health`). Records of those steps that come later are late ones."""
+        """A step raised its incident: every step read so far is written and given to the
+        listeners now (telemetry publishes a point: Note [the failure reaches the tracker] in
+        :mod:`nanscan.monitor.health`), before the error stops the loop. Records of those steps
+        that come later are late ones."""
         self.flush()
-        self._publish_pending(failure=True)
+        self._run_ends(failure=True)
 
-    def _publish_pending(self, failure: bool) -> None:
-        if self.health is None:
-            return
-        try:
-            self.health.publish_pending(failure=failure)
-        except Exception as error:  # pragma: no cover - telemetry never stops training
-            self.health.fail()
-            self.health = None
-            warnings.warn(f"nanscan: telemetry failed and is turned off: {error!r}", RuntimeWarning, stacklevel=4)
+    def _run_ends(self, failure: bool) -> None:
+        tell(self.listeners, lambda listener: listener.run_ends(failure))
 
     def close(self) -> None:
         self.flush()
-        self._publish_pending(failure=False)
+        self._run_ends(failure=False)
         if self.owned and self.log is not None:
             self._write(self.log.close)
-        if self.health is not None:
-            self.health.close()
+        for listener in self.listeners:  # (one turned off too: it may hold sinks to close)
+            try:
+                listener.close()
+            except Exception as error:
+                warnings.warn(f"nanscan: {listener.what} could not be closed: {error!r}", RuntimeWarning, stacklevel=3)

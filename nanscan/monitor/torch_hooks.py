@@ -57,9 +57,9 @@ def _install_backward_hook() -> None:
     @functools.wraps(original)
     def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         if WATCHED and not compiling():
-            _tell("recording the loss at backward", lambda monitor: monitor._backward_called(self))
+            _tell("recording the loss at backward", lambda monitor: monitor.triggers.backward_called(self))
             if create_graph:
-                _tell("noting a higher-order gradient", lambda monitor: monitor._higher_order())
+                _tell("noting a higher-order gradient", lambda monitor: monitor.triggers.higher_order())
         return original(self, gradient, retain_graph, create_graph, inputs)
 
     torch.Tensor.backward = backward
@@ -68,7 +68,7 @@ def _install_backward_hook() -> None:
     @functools.wraps(original_grad)
     def grad(*args, **kwargs):
         if WATCHED and kwargs.get("create_graph") and not compiling():
-            _tell("noting a higher-order gradient", lambda monitor: monitor._higher_order())
+            _tell("noting a higher-order gradient", lambda monitor: monitor.triggers.higher_order())
         return original_grad(*args, **kwargs)
 
     torch.autograd.grad = grad
@@ -99,7 +99,7 @@ def _install_clip_hook() -> None:
         parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         total = original(parameters, max_norm, norm_type, *args, **kwargs)
         _tell("noting the gradient norm before clipping",
-              lambda monitor: monitor._clipped(parameters, total, norm_type))
+              lambda monitor: monitor.triggers.clipped(parameters, total, norm_type))
         return total
 
     torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
@@ -151,7 +151,8 @@ def _install_module_hook() -> None:
     @run_eagerly_as_frame
     def module_registered(parent, name, child):
         if WATCHED:
-            _tell("noting a module set after watch", lambda monitor: monitor._module_registered(parent, name, child))
+            _tell("noting a module set after watch",
+                  lambda monitor: monitor.triggers.module_registered(parent, name, child))
         return None
 
     _module_hook_handle = torch.nn.modules.module.register_module_module_registration_hook(module_registered)

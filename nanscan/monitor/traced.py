@@ -245,8 +245,9 @@ def mark_effects_cacheable() -> None:
 class TracedRows:
     INPUTS, OUTPUTS = INPUTS, OUTPUTS
 
-    def __init__(self, monitor, infos: list, kernels_for):
+    def __init__(self, monitor, infos: list, kernels_for, extension):
         self.monitor = monitor
+        self.extension = extension  # (nanscan._C: the host's stamp count, the stamp target)
         # Names this object in the graphs (the stamp op's `owner` constant) and the trace-time notes.
         # A count, not id(): the same in every run of the same script, so a compiled graph is the same
         # graph in a fresh process and inductor's caches serve it (Note [compiled graphs cached]).
@@ -309,7 +310,7 @@ class TracedRows:
             self.counter = torch.zeros(1, dtype=torch.float64, device=device)
             self.record_one, self.record_many = self.kernels_for(device)
             self.default_kernels = self.record_many is torch.ops.nanscan.summarize_many.default
-            self.monitor._extension.set_stamp_target(self.owner, self.buffer, self.counter)
+            self.extension.set_stamp_target(self.owner, self.buffer, self.counter)
             self.set_recording()
 
     def set_recording(self) -> None:
@@ -344,9 +345,9 @@ class TracedRows:
     def forget(self) -> None:
         self.recording = self.stamping = False
         if self.buffer is not None:
-            self.monitor._extension.set_stamp_target(self.owner, None, None)
+            self.extension.set_stamp_target(self.owner, None, None)
         LIVE.pop(self.owner, None)  # (its graphs, if they run again, note nothing)
-        self.monitor._extension.drop_stamp_count(self.owner)
+        self.extension.drop_stamp_count(self.owner)
         self.notes = TraceNotes()
 
     # ------------------------------------------------------------ traced hooks (tensor ops only)
@@ -518,12 +519,12 @@ class TracedRows:
         if self.used:
             self.buffer[:, SEQ:WRITES + 1].zero_()
             self.counter.zero_()
-        self.monitor._extension.reset_stamp_count(self.owner)  # (the host's count of the same stamps)
+        self.extension.reset_stamp_count(self.owner)  # (the host's count of the same stamps)
 
     def stamped(self) -> int:
         """Rows stamped since the last :meth:`reset`, counted on the host (Note [stamps counted on
         the host] in csrc/monitor/stamp_rows.cpp)."""
-        return self.monitor._extension.stamp_count(self.owner)
+        return self.extension.stamp_count(self.owner)
 
     def slots(self, written: list, step: int, offset: int = 0, phase: str = "forward"):
         """Slots, record values and sequence numbers of the rows written in this window

@@ -1,12 +1,39 @@
-"""How the monitor hears of a step's events where torch has no hook for them: GradScaler's ``scale``
-and ``step`` (wrapped on the scaler instance) and the closure of ``optimizer.step(closure)``. Each
-function only plumbs: what an event means is the monitor's (its StepState's) business.
+"""How the monitor hears of a step's events: :class:`Triggers`, the one way the hooks outside the
+monitor tell it something, and, where torch has no hook for an event, GradScaler's ``scale`` and
+``step`` (wrapped on the scaler instance) and the closure of ``optimizer.step(closure)``. Each piece
+only plumbs: what an event means is the monitor's (its StepState's) business.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-__all__ = ["wrap_scaler", "wrap_closure"]
+__all__ = ["Triggers", "wrap_scaler", "wrap_closure"]
+
+
+class Triggers:
+    """The events the hooks outside :mod:`~nanscan.monitor.monitor` report to one monitor -- the one way
+    in, so that no other file calls into the monitor's own methods. Each is a bound method of the
+    monitor, named here once:
+
+    * from the eager hooks (:mod:`~nanscan.monitor.eager`, called back by the C++ hooks):
+      ``forward_begins(info, args, kwargs) -> phase or None`` (an outermost watched call starts: the
+      monitor decides step and phase), ``forward_aborted()`` (it raised and the loop went on),
+      ``forward_ends(info)``, ``model_returned_loss(output)`` (the root returned ``output["loss"]``);
+    * from the process-wide wrappers (:mod:`~nanscan.monitor.torch_hooks`): ``backward_called(tensor)``
+      (Note [the loss is what backward is called on]), ``higher_order()`` (a gradient taken with
+      ``create_graph=True``), ``clipped(parameters, total_norm, norm_type)`` (Note [grad norm before
+      clipping]), ``module_registered(parent, name, child)`` (Note [modules changed after watch])."""
+
+    __slots__ = ("forward_begins", "forward_aborted", "forward_ends", "model_returned_loss", "backward_called",
+                 "higher_order", "clipped", "module_registered")
+
+    def __init__(self, **events: Callable):
+        missing = [name for name in self.__slots__ if name not in events]
+        unknown = sorted(set(events) - set(self.__slots__))
+        if missing or unknown:
+            raise TypeError(f"Triggers: missing {missing}, unknown {unknown}")
+        for name, call in events.items():
+            setattr(self, name, call)
 
 
 class _Restore:
