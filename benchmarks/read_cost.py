@@ -23,12 +23,14 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
 - **Python calls**: functions and builtins called from Python during one read (``sys.setprofile``
   "call" and "c_call" events, in a separate pass: the profile hook slows the read).
 
-Each ``n`` is measured with the read decided as by default (``DEVICE_DECISION = "cuda"``: on the
-CPU, in the blocks the windows made, nothing stacked) and stacked and copied whole (``"never"``:
-the read before the clean-read path), in interleaved rounds (one round: ``--steps`` watched steps
-of each decision, order flipped every round); a number is the median over every read of the
-rounds. The slope per record is (the largest ``n``'s value - the smallest's) / (their record
-difference).
+Each ``n`` is measured in three variants: the read decided as by default (``DEVICE_DECISION =
+"cuda"``: on the CPU, in the blocks the windows made, nothing stacked), stacked and copied whole
+(``"never"``: the read before the clean-read path), and with every part that walks a read's rows
+on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
+no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``), in
+interleaved rounds (one round: ``--steps`` watched steps of each variant, order reversed every
+round); a number is the median over every read of the rounds. The slope per record is (the largest
+``n``'s value - the smallest's) / (their record difference).
 
     python -m benchmarks.read_cost [--layers 16 160] [--rounds R] [--steps K] [--json out.json]
 """
@@ -36,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -48,7 +52,9 @@ from nanscan.monitor import readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.tensors import ModelTensors
 
-DECISIONS = ("cuda", "never")
+# variant -> (the decision, every part that walks the rows on)
+VARIANTS = {"cuda": ("cuda", False), "never": ("never", False), "parts": ("cuda", True)}
+NAMES = {"cuda": "default (in blocks)", "never": "stacked, copied whole", "parts": "every part on"}
 
 
 class _Timed:
@@ -91,11 +97,17 @@ def _train(model, opt, x, steps: int) -> None:
         opt.step()
 
 
-def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False) -> dict:
+def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False) -> dict:
     """Watch a fresh ``layers``-layer model, train ``steps`` steps (after 2 untimed ones) with the
-    read decided by ``decision``; per read: whole and records-finished nanoseconds, records, and
-    (``count_calls``) Python calls."""
+    read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on); per
+    read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls."""
     model, opt, x = _model(layers)
+    options = {}
+    log_dir = None
+    if parts:
+        log_dir = tempfile.mkdtemp(prefix="nanscan-read-cost-")
+        options = dict(log=os.path.join(log_dir, "events.jsonl"), spikes=True, headroom_bits=4.0,
+                       telemetry=lambda step, scalars: None, telemetry_every=10)
     whole, finishing, records, calls = [], [], [], []
     read_and_decide, grad_block = Monitor._read_and_decide, ModelTensors.grad_block
     decision_before = readback.DEVICE_DECISION
@@ -128,7 +140,7 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     readback.DEVICE_DECISION = decision
     Monitor._read_and_decide, ModelTensors.grad_block = timed_read, timed_grad_block
     try:
-        with nanscan.watch(model, opt) as mon:
+        with nanscan.watch(model, opt, **options) as mon:
             reading = mon.reading
             reading.window = _Timed(reading.window, finishing)
             if reading.grad_sink is not None:
@@ -151,25 +163,31 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     finally:
         readback.DEVICE_DECISION = decision_before
         Monitor._read_and_decide, ModelTensors.grad_block = read_and_decide, grad_block
+        if log_dir is not None:
+            for name in os.listdir(log_dir):
+                os.remove(os.path.join(log_dir, name))
+            os.rmdir(log_dir)
     return {"whole_ns": whole, "finishing_ns": finishing, "records": records, "calls": calls}
 
 
 def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
     results = {}
     for n in layers:
-        samples = {d: {"whole_ns": [], "finishing_ns": [], "records": [], "calls": []} for d in DECISIONS}
+        samples = {v: {"whole_ns": [], "finishing_ns": [], "records": [], "calls": []} for v in VARIANTS}
+        order = list(VARIANTS)
         for r in range(rounds):
-            for decision in (DECISIONS if r % 2 == 0 else DECISIONS[::-1]):
-                got = run_reads(n, decision, steps)
+            for variant in (order if r % 2 == 0 else order[::-1]):
+                decision, parts = VARIANTS[variant]
+                got = run_reads(n, decision, steps, parts=parts)
                 for k in ("whole_ns", "finishing_ns", "records"):
-                    samples[decision][k] += got[k]
-        for decision in DECISIONS:
-            samples[decision]["calls"] = run_reads(n, decision, 3, count_calls=True)["calls"]
-            s = samples[decision]
+                    samples[variant][k] += got[k]
+        for variant, (decision, parts) in VARIANTS.items():
+            samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts)["calls"]
+            s = samples[variant]
             whole = statistics.median(s["whole_ns"]) / 1e3
             finishing = statistics.median(s["finishing_ns"]) / 1e3
             rest = statistics.median([w - f for w, f in zip(s["whole_ns"], s["finishing_ns"])]) / 1e3
-            results.setdefault(str(n), {})[decision] = {
+            results.setdefault(str(n), {})[variant] = {
                 "records": statistics.median(s["records"]), "whole_us": whole, "finishing_us": finishing,
                 "read_and_decision_us": rest, "python_calls": statistics.median(s["calls"]),
                 "reads": len(s["whole_ns"])}
@@ -178,28 +196,27 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
 
 
 def slopes(result: dict) -> dict:
-    """Per decision: (largest n - smallest n) per record, of each measure."""
+    """Per variant: (largest n - smallest n) per record, of each measure."""
     res = result["results"]
     small, large = res[str(min(result["layers"]))], res[str(max(result["layers"]))]
     out = {}
-    for d in DECISIONS:
-        records = large[d]["records"] - small[d]["records"]
-        out[d] = {k: (large[d][k] - small[d][k]) / records if records else float("nan")
+    for v in VARIANTS:
+        records = large[v]["records"] - small[v]["records"]
+        out[v] = {k: (large[v][k] - small[v][k]) / records if records else float("nan")
                   for k in ("whole_us", "finishing_us", "read_and_decision_us", "python_calls")}
     return out
 
 
 def table(result: dict) -> str:
-    names = {"cuda": "default (in blocks)", "never": "stacked, copied whole"}
-    lines = [f"{'layers':>6} {'records':>8} {'decision':<22} {'whole us':>9} {'records finished us':>20} "
+    lines = [f"{'layers':>6} {'records':>8} {'variant':<22} {'whole us':>9} {'records finished us':>20} "
              f"{'read+decision us':>17} {'Python calls':>13}", "-" * 100]
     for n in result["layers"]:
-        for d in DECISIONS:
-            r = result["results"][str(n)][d]
-            lines.append(f"{n:>6} {r['records']:>8.0f} {names[d]:<22} {r['whole_us']:>9.1f} "
+        for v in VARIANTS:
+            r = result["results"][str(n)][v]
+            lines.append(f"{n:>6} {r['records']:>8.0f} {NAMES[v]:<22} {r['whole_us']:>9.1f} "
                          f"{r['finishing_us']:>20.1f} {r['read_and_decision_us']:>17.1f} {r['python_calls']:>13.0f}")
-    for d, s in slopes(result).items():
-        lines.append(f"per record, {names[d]}: whole {s['whole_us']:.3f} us, records finished "
+    for v, s in slopes(result).items():
+        lines.append(f"per record, {NAMES[v]}: whole {s['whole_us']:.3f} us, records finished "
                      f"{s['finishing_us']:.3f} us, read+decision {s['read_and_decision_us']:.3f} us, Python calls "
                      f"{s['python_calls']:.3f}")
     return "\n".join(lines)
@@ -215,7 +232,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     result = measure(tuple(args.layers), args.rounds, args.steps)
     print(f"read cost: n x Linear(8,8), batch 2, 1 thread, cpu, torch {torch.__version__}, "
-          f"{args.rounds} rounds x {args.steps} steps per decision")
+          f"{args.rounds} rounds x {args.steps} steps per variant")
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -244,11 +244,12 @@ def test_read_cost_prints_each_decisions_parts_and_slope_and_writes_json(tmp_pat
     out = tmp_path / "read.json"
     assert read_cost.main(["--layers", "2", "8", "--rounds", "2", "--steps", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "default (in blocks)" in text and "stacked, copied whole" in text and "per record" in text
+    assert "default (in blocks)" in text and "stacked, copied whole" in text and "every part on" in text
+    assert "per record" in text
     result = json.loads(out.read_text())
     for n, records in (("2", 14), ("8", 50)):  # (each layer: output, its gradient, weight, bias, 2 grads; + 2)
-        for decision in read_cost.DECISIONS:
-            r = result["results"][n][decision]
+        for variant in read_cost.VARIANTS:
+            r = result["results"][n][variant]
             assert r["records"] == records and r["reads"] == 2 * 3
             assert 0 < r["finishing_us"] < r["whole_us"] and r["python_calls"] > 0
     assert result["results"]["2"]["cuda"]["python_calls"] == result["results"]["8"]["cuda"]["python_calls"]

@@ -41,9 +41,11 @@ def local_shards(tensors: list) -> list:
     return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
 
+_AVAILABLE = torch.distributed.is_available()  # (fixed by the build: asked once, not at every read)
+
+
 def active() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1
+    return _AVAILABLE and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def rank() -> int:

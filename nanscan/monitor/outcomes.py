@@ -38,6 +38,10 @@ class Outcomes:
                  skipper: Optional[StepSkipper] = None):
         self.config, self.ledger, self.findings = config, ledger, findings
         self.steplog, self.consumers, self.capturer = steplog, list(consumers), capturer
+        # A consumer walks the reads' rows (else a clean read is decided in its blocks: Note [a clean
+        # read comes back as one number] in readback.py). (Kept when they are all turned off: the
+        # rows are then copied for nobody, which costs time, never an answer.)
+        self.rows_wanted = bool(self.consumers)
         self._write_bundle = write_bundle
         self.fused_applied: dict = {}  # step -> did a fused-AMP update apply (read before the update)
         self.raised = False  # a NonFiniteError was raised (close() then records, never raises)
@@ -50,15 +54,18 @@ class Outcomes:
 
     def decide(self, read: Read, raise_incident: Optional[bool]) -> None:
         """Everything a read leads to; ``raise_incident`` False warns, None records silently."""
-        self.take_extras(read)
+        if read.extras:
+            self.take_extras(read)
         found = self.findings.judge(read)
         if self.consumers:
             tell(self.consumers, lambda consumer: consumer.observe(read))
         found, report = self.findings.agree(read, found)
-        self.findings.add(found)
         if report is None:
-            self.log_incidents(found)
+            if found:
+                self.findings.add(found)
+                self.log_incidents(found)
             return
+        self.findings.add(found)
         self._act_on(read, report, found, raise_incident)
 
     def take_extras(self, read: Read) -> None:
@@ -117,12 +124,6 @@ class Outcomes:
         if note is not None:
             attach_note(error, note)
         raise error
-
-    @property
-    def rows_wanted(self) -> bool:
-        """A consumer walks the reads' rows (else a clean read is decided in its blocks: Note [a clean
-        read comes back as one number] in :mod:`~nanscan.monitor.readback`)."""
-        return any(not consumer.off for consumer in self.consumers)
 
     def log_incidents(self, incidents) -> None:
         if self.steplog is not None and self.steplog.logging:

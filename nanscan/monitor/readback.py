@@ -46,18 +46,24 @@ def _decided_on_device(rows: torch.Tensor) -> bool:
 
 
 def _decided_in_blocks(blocks: list, extras: list) -> bool:
-    """A read whose records and scalars all lie on the CPU, decided where they lie (the default)."""
-    return DEVICE_DECISION == "cuda" and all(b.is_cpu for b in blocks) and all(e.is_cpu for _, e in extras)
+    """A read whose records and scalars all lie on the CPU, decided where they lie (the default).
+    (Loops, not ``all`` over generators: this runs at every read.)"""
+    if DEVICE_DECISION != "cuda":
+        return False
+    for block in blocks:
+        if not block.is_cpu:
+            return False
+    for _, tensor in extras:
+        if not tensor.is_cpu:
+            return False
+    return True
 
 
-_NONFINITE_ROWS = []  # (the C++ function, looked up once: the read calls it per block)
-
-
-def _nonfinite_rows(host: torch.Tensor, n: int) -> list:
-    """Rows ``< n`` of the landed records with a NaN / +Inf / -Inf count (C++: one pass, no tensor op)."""
-    if not _NONFINITE_ROWS:
-        _NONFINITE_ROWS.append(_ops.monitor_extension().nonfinite_rows)
-    return _NONFINITE_ROWS[0](host, n)
+# Rows ``< n`` of landed records ``[k, >= RECORD_SIZE]`` with a NaN / +Inf / -Inf count: ``(host, n)
+# -> list`` (C++: one pass, no tensor op), looked up once (a read calls it per block). None without
+# the library (no monitor runs then).
+_EXTENSION = _ops.monitor_extension()
+_nonfinite_rows = _EXTENSION.nonfinite_rows if _EXTENSION is not None else None
 
 
 class Copy:
@@ -104,11 +110,12 @@ class Copy:
         (``(name, one-element tensor)``) and the compiled rows (sub-windows of ``window_rows``
         rows), and start the copy. ``rows_wanted`` False: no consumer needs the rows of a clean read
         (Note [a clean read comes back as one number])."""
-        names = tuple(name for name, _ in extras)
+        names = tuple([name for name, _ in extras]) if extras else ()
         if not rows_wanted and traced is None and blocks and _decided_in_blocks(blocks, extras):
             copy = cls(None, None, slots, names, 0, handled, step)
             copy.blocks = blocks
-            copy.extra_tensors = tuple(e for _, e in extras)
+            if extras:
+                copy.extra_tensors = tuple([e for _, e in extras])
             return copy
         parts = []
         # Rows are RECORD_SIZE wide, COLUMNS when the compiled path's rows join them (each op here
@@ -151,8 +158,9 @@ class Copy:
         if self.event is not None:
             self.event.synchronize()
         if self.blocks is not None:  # on the CPU, decided where the rows lie
-            self.extras = {name: float(e) for name, e in zip(self.extra_names, self.extra_tensors)}
-            self.extra_tensors = ()
+            if self.extra_names:
+                self.extras = {name: float(e) for name, e in zip(self.extra_names, self.extra_tensors)}
+                self.extra_tensors = ()
             bad, start = set(), 0
             for block in self.blocks:
                 found = _nonfinite_rows(block, block.shape[0])

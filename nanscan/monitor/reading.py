@@ -11,6 +11,8 @@ decoded one read later: :meth:`Reading.swap_in_flight`. Nothing here decodes or 
 """
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Optional
 
 import torch
@@ -23,8 +25,6 @@ __all__ = ["Reading"]
 
 def _pairs(marks: bytes) -> list:
     """``[(index, host stamp count)]`` from a window's or the gradient sink's ``taken_marks()``."""
-    if not marks:
-        return []
     flat = memoryview(marks).cast("q").tolist()
     return list(zip(flat[0::2], flat[1::2]))
 
@@ -37,7 +37,7 @@ class Reading:
         marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
 
         def window():
-            return extension.Window(marker, lambda rows: EagerRows(rows, infos), summarize, None,
+            return extension.Window(marker, functools.partial(EagerRows, infos=infos), summarize, None,
                                     len(infos), BATCH, BATCH_BYTES)
 
         self.window, self.eval_window = window(), window()
@@ -85,17 +85,20 @@ class Reading:
         the update; ``rows_wanted`` False: no consumer needs a clean read's rows (Note [a clean read
         comes back as one number] in :mod:`~nanscan.monitor.readback`)."""
         slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
-        marks = _pairs(self.window.taken_marks())  # (entry, host stamp count) where the count moved
+        marks = self.window.taken_marks()  # (entry, host stamp count) where the count moved
+        marks = _pairs(marks) if marks else []
         if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
             records, meta = self.grad_sink.take()
             n = len(meta)
             if n:
                 block = GradBlock(step, slots, meta)
                 block.start = len(slots)
-                marks += [(block.start + k, count) for k, count in _pairs(self.grad_sink.taken_marks())]
+                grad_marks = self.grad_sink.taken_marks()
+                if grad_marks:
+                    marks += [(block.start + k, count) for k, count in _pairs(grad_marks)]
                 if eager_rows is not None:
                     eager_rows.rows.set_grads(meta, block.start)
-                slots = slots + [block] * n
+                slots.extend(itertools.repeat(block, n))  # (the list take() made: no copy of it)
                 blocks.extend(records)
         self.generation += 1
         if self.grad_sink is not None:
@@ -108,7 +111,7 @@ class Reading:
                 rows, block = found
                 block.start = grad_start = len(slots)
                 blocks.append(rows)
-                slots = slots + [block] * len(block.names)
+                slots.extend(itertools.repeat(block, len(block.names)))
         hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
         extras = []  # (what, tensor): read with the records, in the same copy
         if isinstance(scale, torch.Tensor) and not final and scalars:
@@ -123,13 +126,18 @@ class Reading:
             total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
                 [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
             extras.append(("clip_norm", total))
-        copy = Copy.start(blocks, slots, extras, traced.window(), handled=handled, step=step,
-                          non_blocking=non_blocking, window_rows=len(traced.rows), rows_wanted=rows_wanted)
+        # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
+        used = traced.used
+        copy = Copy.start(blocks, slots, extras, traced.window() if used else None, handled=handled, step=step,
+                          non_blocking=non_blocking, window_rows=len(traced.rows) if used else 0,
+                          rows_wanted=rows_wanted)
         copy.recorded_forward = recorded_forward
         copy.final = final
         copy.grad_start = grad_start
-        copy.marks, copy.stamped = marks, traced.stamped()
-        traced.reset()
+        copy.marks = marks
+        if used:
+            copy.stamped = traced.stamped()
+            traced.reset()
         return copy
 
     def gather_eval(self, step: int, hooks) -> Optional[Copy]:

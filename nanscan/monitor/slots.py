@@ -106,7 +106,10 @@ class GradBlock(Block):
     for a row that is looked at."""
 
     def __init__(self, step, window, meta):
-        super().__init__(step, "backward", "grad", None, None, None)
+        # (Block's fields set here, not through its __init__: one Python call less per read)
+        self.step, self.phase, self.kind = step, "backward", "grad"
+        self.names = self.tensors = self.owners = self.inputs_of = self.input_bad = self.param = None
+        self.start, self.extra_inputs = 0, {}
         self.window, self.meta = window, meta
 
     def slot(self, index: int) -> Slot:
@@ -152,7 +155,11 @@ class EagerRows(Block):
     ``consumers`` are the calls that took the value as an input (:class:`Call`)."""
 
     def __init__(self, rows, infos):
-        super().__init__(None, None, "activation", None, None, None)
+        # (Block's fields set here, not through its __init__: made at every read, by the C++ window)
+        self.step = self.phase = None
+        self.kind = "activation"
+        self.names = self.tensors = self.owners = self.inputs_of = self.input_bad = self.param = None
+        self.start, self.extra_inputs = 0, {}
         self.rows, self.infos = rows, infos
         self._loss_entries = self._steps = None
 

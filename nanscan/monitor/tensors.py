@@ -207,9 +207,10 @@ class ModelTensors:
         if grad_start is not None:
             s = slots[grad_start]
             names = self.all_param_names if s.names is self.param_names else frozenset(s.names)
-            bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)}
+            bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)} if bad else set()
             self.grads_read[s.step] = (names, bad_names)
-        self.forward_bad[step] = any(s.phase == "forward" and s.candidate for s in (at(slots, i) for i in bad))
+        self.forward_bad[step] = bool(bad) and any(s.phase == "forward" and s.candidate
+                                                   for s in (at(slots, i) for i in bad))
         for old in [k for k in self.grads_read if k < step - 2]:
             del self.grads_read[old]
         for old in [k for k in self.forward_bad if k < step - 2]:
