@@ -43,7 +43,7 @@ from nanscan.monitor.headroom import max_of
 from nanscan.monitor.health_ranks import RankPlan, combine
 from nanscan.monitor.consumers import ReadConsumer, StepListener
 from nanscan.monitor.slots import EagerRows, GradBlock, Slot
-from nanscan.record import RECORD_SIZE, Field
+from nanscan.record import Field
 from nanscan.telemetry.scalars import PREFIX, scalar_name
 from nanscan.warn import warn
 
@@ -131,8 +131,8 @@ class Health(ReadConsumer, StepListener):
                     self._row(slot.kind, slot.phase, slot.candidate, slot.param, slot.name, slot.dtype,
                               math.prod(slot.shape), slot.step, read.values(i), True)
             return
-        n = read.eager_count
-        host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
+        host = read.host_rows()
+        n = len(host)
         for start, end, s in read.runs():
             t = type(s)
             if t is EagerRows:

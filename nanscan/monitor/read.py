@@ -19,7 +19,8 @@ production order, whatever their source:
   records first, then the compiled rows; the parameter gradients read after the backward last;
 * ``step``, ``training`` (False: an eval forward's window), ``final`` (read at close), ``handled``
   (GradScaler skipped this step's update), ``extras`` (loss scale, fused-AMP ``found_inf``, clip
-  norm), ``host`` (the hooks' records as one float64 tensor, for vectorized passes).
+  norm), ``host`` (the hooks' records as one float64 tensor, for vectorized passes; :meth:`host_rows`:
+  the same as Python floats, converted once for every consumer).
 
 Attribution, offenders, the step log, headroom, the cross-rank agreement, capture and the raise /
 warn policy each take a ``Read``; none of them reaches back into the monitor.
@@ -32,6 +33,7 @@ from typing import Callable, Optional
 
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.slots import BODY, OUTPUT, Block, EagerRows, at
+from nanscan.record import RECORD_SIZE
 
 __all__ = ["Read"]
 
@@ -41,7 +43,7 @@ class Read:
 
     __slots__ = ("step", "training", "final", "handled", "slots", "bad", "values", "position", "eager_count",
                  "grad_start", "recorded_forward", "compiled", "compiled_ran", "extras", "host", "order_known",
-                 "grads_in_graphs", "_runs")
+                 "grads_in_graphs", "_runs", "_host_rows")
 
     def __init__(self, *, step: int, slots: list, values: Callable, bad: set, training: bool = True,
                  final: bool = False, handled: bool = False, position: Optional[Callable] = None,
@@ -61,7 +63,7 @@ class Read:
         # How the eager records and the compiled rows interleave is known (always, without compiled rows).
         self.order_known = order_known
         self.grads_in_graphs = False  # compiled graphs record the gradients of their modules (set by land)
-        self._runs = None
+        self._runs = self._host_rows = None
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -69,6 +71,17 @@ class Read:
     def slot(self, i: int):
         """Row ``i`` as a :class:`~nanscan.monitor.slots.Slot`."""
         return at(self.slots, i)
+
+    def host_rows(self) -> list:
+        """The records of the window's rows (the first ``eager_count``: hooks, gradients, parameters)
+        as lists of Python floats, converted in one call when first asked and shared by every
+        consumer; ``[]`` when the read holds no host copy of them (a clean read decided where its rows
+        lie: Note [a clean read comes back as one number]). Other rows: :attr:`values`."""
+        rows = self._host_rows
+        if rows is None:
+            n = self.eager_count
+            rows = self._host_rows = self.host[:n, :RECORD_SIZE].tolist() if (n and self.host is not None) else []
+        return rows
 
     def runs(self) -> list:
         """The rows in index order as runs ``(start, end, source)``, the one way every consumer walks

@@ -49,7 +49,7 @@ from typing import Optional
 
 from nanscan.monitor.consumers import ReadConsumer, StepListener
 from nanscan.monitor.slots import EagerRows, Slot
-from nanscan.record import RECORD_SIZE, Field
+from nanscan.record import Field
 from nanscan.warn import warn
 
 __all__ = ["SpikeEvent", "SpikePolicy", "SpikeWarning", "SpikeWatch"]
@@ -259,8 +259,8 @@ class SpikeWatch(ReadConsumer, StepListener):
 def _module_outputs(read):
     """``(step, name, numel, record)`` of each module output of a training read, in production order
     (the eager hooks' rows, then other rows; blocks of parameters and gradients are passed over)."""
-    n = read.eager_count
-    host = read.host[:n, :RECORD_SIZE].tolist() if (n and read.host is not None) else []
+    host = read.host_rows()
+    n = len(host)
     for start, end, s in read.runs():
         t = type(s)
         if t is EagerRows:

@@ -39,7 +39,7 @@ from typing import Optional
 
 from nanscan.monitor.consumers import CompletedStep, ReadConsumer, tell
 from nanscan.monitor.slots import EagerRows, Slot
-from nanscan.record import RECORD_SIZE, Field
+from nanscan.record import Field
 from nanscan.vocabulary import TRAINING_PHASES
 
 
@@ -143,8 +143,8 @@ class StepLog(ReadConsumer):
             self._losses.clear()
             return
         self._losses.clear()
-        n_host = read.eager_count if read.host is not None else 0
-        host = read.host[:n_host, :RECORD_SIZE].tolist() if n_host else []
+        host = read.host_rows()
+        n_host = len(host)
 
         def values(i):
             return host[i] if i < n_host else read.values(i)
