@@ -23,21 +23,25 @@ from typing import Optional
 
 from nanscan.warn import warn
 
-__all__ = ["CompletedStep", "ReadConsumer", "StepListener", "tell", "turn_off"]
+__all__ = ["CompletedStep", "Part", "ReadConsumer", "StepListener", "tell", "turn_off"]
 
 
-class ReadConsumer:
-    """Given every landed read (see the module docstring). ``what`` names it in the warning of its
-    failure; ``off``: turned off by one (it is then given nothing more)."""
+class Part:
+    """What consumers and listeners share: ``what`` names the part in the warning of its failure;
+    ``off``: turned off by one (it is then given nothing more)."""
 
-    what = "a read consumer"
+    what = "a part of the monitor"
     off = False
-
-    def observe(self, read) -> None:
-        raise NotImplementedError
 
     def turn_off(self) -> None:
         self.off = True
+
+
+class ReadConsumer(Part):
+    """Given every landed read (see the module docstring)."""
+
+    def observe(self, read) -> None:
+        raise NotImplementedError
 
 
 class CompletedStep:
@@ -55,13 +59,10 @@ class CompletedStep:
         self.update, self.nonfinite, self.clipped, self.ended = update, nonfinite, clipped, ended
 
 
-class StepListener:
+class StepListener(Part):
     """Given each completed step by the step log (see the module docstring). ``completed`` returns the
     events it found in the step (each with ``step``, ``to_dict()`` and ``LOG_TYPE``, the event
     line's type): the step log writes them and gives them to every listener's ``event``."""
-
-    what = "a step listener"
-    off = False
 
     def wants_numbers(self, read) -> bool:
         """It needs the step numbers this read holds (its loss, its gradient norm). False lets the step
@@ -79,9 +80,6 @@ class StepListener:
 
     def close(self) -> None:
         pass
-
-    def turn_off(self) -> None:
-        self.off = True
 
 
 def turn_off(part, error: BaseException, stacklevel: int = 4) -> None:

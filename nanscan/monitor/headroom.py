@@ -220,16 +220,14 @@ class HeadroomWatch(ReadConsumer):
         the new events."""
         if not read.training:
             return []
-        n = read.eager_count
+        n, total = read.eager_count, len(read.slots)
         near = []
+        maxima = row_maxima(read, total) if (n and read.host is not None) or total > n else None
         if n and read.host is not None:
-            near = self.near_rows(read.host[:n], row_maxima(read, n), self.fp16_autocast)
-        total = len(read.slots)
+            near = self.near_rows(read.host[:n], maxima[:n], self.fp16_autocast)
         if total > n:  # the compiled path's rows (Slot objects already)
             values = torch.tensor([read.values(i)[:RECORD_SIZE] for i in range(n, total)], dtype=torch.float64)
-            maxima = torch.tensor([max_of(s.dtype) if s.dtype is not None else math.nan for s in read.slots[n:]],
-                                  dtype=torch.float64)
-            near += [n + j for j in self.near_rows(values, maxima, self.fp16_autocast)]
+            near += [n + j for j in self.near_rows(values, maxima[n:], self.fp16_autocast)]
         bad = read.bad
         near = [i for i in near if i not in bad]
         events = self._look(read, near)
@@ -254,7 +252,7 @@ def max_of(dtype) -> float:
 
 
 def row_maxima(read, n: int) -> torch.Tensor:
-    """Per row of a read's first ``n`` (the window's), its dtype's largest finite value (NaN where
+    """Per row of a read's first ``n``, its dtype's largest finite value (NaN where
     unknown): the hooks' rows and each block of tensors in one C++ call, Python slots from their
     dtypes."""
     from nanscan import _ops
