@@ -272,7 +272,7 @@ class Observer:
 
     def _note_record(self, lowering, n, call, new_ops) -> None:
         op, args = call
-        values = _tensor_nodes(args)
+        values, records_given = _recorded(op, args)
         kernels = [o for o in new_ops if _nanscan_op(getattr(o, "op_overload", None))]
         kernel = kernels[-1] if kernels else None
         inputs = list(getattr(kernel, "inputs", ()) or ()) if kernel is not None else []
@@ -286,8 +286,11 @@ class Observer:
         recorded = []
         for i, v in enumerate(values):
             t = v.meta["val"]
+            # With records given, the op copies them and never reads the value (its record was
+            # computed by the graph's own kernels: see record_reads).
             entry = {"node": v.name, "shape": [int(s) if isinstance(s, int) else str(s) for s in t.shape],
-                     "dtype": str(t.dtype).removeprefix("torch."), "bytes": _nbytes(t)}
+                     "dtype": str(t.dtype).removeprefix("torch."), "bytes": _nbytes(t),
+                     "read_by_op": not records_given}
             env = getattr(lowering, "env", {})
             own = _buffer(env[v]) if v in env else None  # (the value's own storage, realized by now)
             buf = _buffer(inputs[i]) if len(inputs) == len(values) else own
@@ -308,6 +311,7 @@ class Observer:
         g = self._open.pop(id(lowering))
         g["generated_kernels"] = generated
         extern, nanscan_calls, groups, generated_reads = {}, 0, 0, set()
+        g["record_kernels"] = record_kernels(lowering)
         for node in getattr(getattr(lowering, "scheduler", None), "nodes", []) or []:
             if isinstance(node, sched.NopKernelSchedulerNode):
                 continue
@@ -319,7 +323,9 @@ class Observer:
                     extern[name] = extern.get(name, 0) + 1
                 continue
             groups += 1
-            generated_reads.update(dep.name for dep in node.read_writes.reads)
+            for sub in node.get_nodes():  # (the step's own kernels: record kernels read every recorded tensor)
+                if not _computes_a_record(sub):
+                    generated_reads.update(dep.name for dep in sub.read_writes.reads)
         g["extern_calls"] = dict(sorted(extern.items()))
         g["nanscan_calls"] = nanscan_calls
         g["scheduler_kernel_groups"] = groups
@@ -327,6 +333,82 @@ class Observer:
             for v in record["values"]:
                 v["read_by_generated"] = v["buffer"] in generated_reads
         self.graphs.append(g)
+
+
+def _recorded(op, args) -> tuple:
+    """(the FX nodes of the values a record op records, whether it is given their records). The
+    stamp ops take ``values`` and ``records`` (``Tensor?``) by name in their schema; the summary
+    ops read every tensor argument."""
+    positional, kwargs = args
+    names = [a.name for a in op._schema.arguments]
+    if "values" not in names:
+        return _tensor_nodes(args), False
+    bound = dict(zip(names, positional))
+    bound.update(kwargs)
+    return _tensor_nodes(bound.get("values")), isinstance(bound.get("records"), torch.fx.Node)
+
+
+def _from_record_op(origin) -> bool:
+    """Whether the post-grad FX node ``origin`` comes from a nanscan op that AOT autograd decomposed
+    (inductor's table: Note [records fused into compiled kernels]); make_fx notes it as
+    ``meta['original_aten']``."""
+    return _nanscan_op(getattr(origin, "meta", {}).get("original_aten"))
+
+
+def _computes_a_record(snode) -> bool:
+    """Whether a scheduler node computes (part of) a record: one of its FX origins comes from a
+    nanscan op (a node of the step's own computation inlined into it may be among them too)."""
+    origins = getattr(getattr(snode, "node", None), "origins", ()) or ()
+    return any(_from_record_op(o) for o in origins)
+
+
+def _dep_bytes(dep) -> int:
+    try:
+        return int(dep.numbytes_hint())
+    except Exception:  # (a dependency without a size: nothing counted)
+        return 0
+
+
+def record_kernels(lowering) -> dict:
+    """The records the graph's generated kernels compute (the decomposed record ops), read from
+    inductor's scheduler after fusion: each kernel holding record nodes -- nodes whose FX origins
+    come from a nanscan op -- is ``fused`` when it holds nodes of the step's own computation too,
+    ``standalone`` when it holds record nodes only. ``extra_bytes``: what the record nodes read
+    that the kernel's other nodes neither read nor write (a tensor its producer writes in the same
+    kernel is reduced while in registers; one read by the kernel anyway costs nothing more):
+    the memory traffic the records add, by kernel kind."""
+    from torch._inductor import scheduler as sched
+    from torch._inductor.virtualized import V
+
+    out = {"fused": 0, "standalone": 0, "extra_bytes": {"fused": 0, "standalone": 0}}
+    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
+    # (the records' own intermediates -- a reduction's scalar read by the record's assembly -- are
+    # not reads of the step's tensors)
+    partials = {dep.name for node in nodes for sub in node.get_nodes() if _computes_a_record(sub)
+                for dep in sub.read_writes.writes}
+    with V.set_graph_handler(lowering):
+        for node in nodes:
+            if isinstance(node, (sched.NopKernelSchedulerNode, sched.ExternKernelSchedulerNode)):
+                continue
+            record, own = [], []
+            for sub in node.get_nodes():
+                (record if _computes_a_record(sub) else own).append(sub)
+            if not record:
+                continue
+            kind = "fused" if own else "standalone"
+            out[kind] += 1
+            covered = set(partials)
+            for sub in own:
+                covered.update(dep.name for dep in sub.read_writes.reads)
+            for sub in node.get_nodes():
+                covered.update(dep.name for dep in sub.read_writes.writes)
+            reads = {}
+            for sub in record:
+                for dep in sub.read_writes.reads:
+                    if dep.name not in covered:
+                        reads[dep.name] = max(reads.get(dep.name, 0), _dep_bytes(dep))
+            out["extra_bytes"][kind] += sum(reads.values())
+    return out
 
 
 # ------------------------------------------------------------------------------------------ a step's totals
@@ -347,6 +429,14 @@ def totals(graphs: list) -> dict:
                     for k in by_kind},
         "bytes": {k: sum(v["bytes"] or 0 for g in graphs if g["kind"] == k for r in g["record_ops"]
                          for v in r["values"]) for k in by_kind},
+        # What reading for the records costs: the record ops' own reads (a value whose record is
+        # given is not read by the op), and the generated record kernels' extra reads (record_kernels).
+        "op_bytes": {k: sum(v["bytes"] or 0 for g in graphs if g["kind"] == k for r in g["record_ops"]
+                            for v in r["values"] if v.get("read_by_op", True)) for k in by_kind},
+        "record_kernels": {kind: sum(g.get("record_kernels", {}).get(kind, 0) for g in graphs)
+                           for kind in ("fused", "standalone")},
+        "generated_record_bytes": {kind: sum(g.get("record_kernels", {}).get("extra_bytes", {}).get(kind, 0)
+                                             for g in graphs) for kind in ("fused", "standalone")},
         "by_producer": {p: {"records": 0, "bytes": 0} for p in PRODUCERS},
         "by_extern_kernel": {},
         "read_by_generated": {"records": 0, "bytes": 0},  # of tensors no generated kernel writes
@@ -374,6 +464,7 @@ def totals(graphs: list) -> dict:
                     out["distinct"]["records"] += 1
                     out["distinct"]["bytes"] += b
     out["extern_calls"] = dict(sorted(out["extern_calls"].items()))
+    out["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(out["generated_record_bytes"].values())
     return out
 
 
@@ -549,7 +640,14 @@ def table(result: dict) -> str:
     row("nanscan record ops (forward + backward)", lambda r, t: _split(t["record_ops"]))
     row("nanscan ops run in a steady step (profiler)", lambda r, t: str(sum(r["runtime_record_ops"].values())))
     row("tensors the record ops read (forward + backward)", lambda r, t: _split(t["records"]))
-    row("MiB they read (forward + backward)", lambda r, t: _split(t["bytes"], _mib))
+    row("MiB of the tensors they record (forward + backward)", lambda r, t: _split(t["bytes"], _mib))
+    row("... MiB the record ops read themselves (not given the records)", lambda r, t: _split(t["op_bytes"], _mib))
+    row("generated kernels computing records: fused with the step's own / standalone",
+        lambda r, t: f"{t['record_kernels']['fused']} / {t['record_kernels']['standalone']}")
+    row("... MiB they read beyond what their kernel reads anyway: fused / standalone",
+        lambda r, t: " / ".join(_mib(t["generated_record_bytes"][k]) for k in ("fused", "standalone")))
+    row("**MiB read for the records** (the ops' reads + the generated record kernels' extra reads)",
+        lambda r, t: _mib(t["record_bytes_read"]))
     row("... distinct tensors / MiB (a tensor read by several ops once)",
         lambda r, t: f"{t['distinct']['records']} / {_mib(t['distinct']['bytes'])}")
     labels = {GENERATED: "made by a generated kernel (fusible into its producer)",

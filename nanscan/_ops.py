@@ -215,6 +215,47 @@ def _register_python_kernels() -> None:
 
 LOAD_ERROR: Optional[ExtensionError] = _load()
 
+# Note [records fused into compiled kernels]: inside a graph inductor compiles, a record written by
+# an opaque op is a second read of a tensor that a generated kernel has just written. Given the
+# reference's functional stack of full reductions (``reference._fields``) as the decomposition of
+# ``nanscan::summarize_many`` / ``summarize``, inductor computes the record as reductions its
+# scheduler fuses into the kernel that writes the tensor (or into another kernel that reads it),
+# while the values are in registers: one loop, no re-read. Only inductor's tables get it: eager
+# calls, aot_eager and the other backends keep the C++ / CUDA kernels. Tensors written by extern
+# kernels (mm, addmm, convolution, SDPA) keep a separate read unless a generated kernel reads them
+# anyway (benchmarks/compiled_traffic.py counts both). The traced hooks therefore pass the stamp
+# op its records from ``summarize_many`` (traced.py) instead of letting the stamp summarize inside.
+# Off by default until its compile time and GPU step are measured: ``NANSCAN_FUSED_RECORDS=1``
+# (or ``FUSED_RECORDS = True`` before ``watch``) turns it on; off, the ops stay opaque (the A/B switch).
+FUSED_RECORDS = os.environ.get("NANSCAN_FUSED_RECORDS", "0") == "1"
+_FUSED_REGISTERED = False
+
+
+def register_fused_records() -> bool:
+    """Give inductor the reference as the decomposition of the summary ops (once per process;
+    Note [records fused into compiled kernels]). Returns whether the decomposition is in place."""
+    global _FUSED_REGISTERED
+    if not FUSED_RECORDS or LOAD_ERROR is not None:
+        return False  # (a decomposition registered before stays: it gives the same records)
+    if _FUSED_REGISTERED:
+        return True
+    try:
+        from torch._inductor import decomposition as inductor_decompositions
+    except ImportError:  # pragma: no cover - a torch without inductor
+        return False
+    from nanscan.kernels import reference
+
+    table = {torch.ops.nanscan.summarize_many.default: reference.summarize_many,
+             torch.ops.nanscan.summarize.default: reference.summarize}
+    inductor_decompositions.decompositions.update(table)
+    # Inductor compiles with a cached copy of that table (``fast_random_decomps``, made at the
+    # first compile of the process): a registration after it would otherwise go unseen.
+    cached = getattr(inductor_decompositions, "fast_random_decomps", None)
+    if cached is not None and getattr(cached, "cache_info", None) is not None and cached.cache_info().currsize:
+        cached().update(table)
+    _FUSED_REGISTERED = True
+    return True
+
 
 def require_library() -> None:
     """Raise the load error, if any (compiled backends call this before touching torch.ops)."""

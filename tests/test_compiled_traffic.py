@@ -129,13 +129,58 @@ def test_kernels_and_extern_calls(result):
         fw, bw = graph(result, variant, "forward"), graph(result, variant, "backward")
         # forward: the two Linears are addmm calls, tanh the one generated kernel
         assert fw["extern_calls"] == {"addmm": 2}, variant
+        assert bw["extern_calls"] == {"mm": 3}, variant
+        assert result[variant]["compiled_after_first_step"] == 0, variant
+        if variant == "watched":  # (its records are generated kernels too: test_record_reads)
+            continue
         assert fw["generated_kernels"] == fw["kernel_calls_in_code"] == 1, variant
         # backward: three mm (the input gradient of Linear 2, the two weight gradients); tanh's
         # backward and the two bias gradients are generated (the C++ backend may merge two of them)
-        assert bw["extern_calls"] == {"mm": 3}, variant
         assert bw["generated_kernels"] == 3, variant
         assert 2 <= bw["kernel_calls_in_code"] <= 3, variant
-        assert result[variant]["compiled_after_first_step"] == 0, variant
+
+
+@pytest.fixture(scope="module")
+def fused_result():
+    from nanscan import _ops
+
+    before, was = torch.get_num_threads(), _ops.FUSED_RECORDS
+    torch.set_num_threads(1)
+    _ops.FUSED_RECORDS = True
+    torch._dynamo.reset()  # (the other fixture's graphs of the same code would be reused)
+    try:
+        yield ct.measure_pair(make, step, warmup=2, rounds=0, steps=1)
+    finally:
+        _ops.FUSED_RECORDS = was
+        torch.set_num_threads(before)
+
+
+def test_record_reads_of_the_opaque_ops(result):
+    """Fused records off (the default): each stamp reads the tensors it records, no generated kernel
+    computes a record."""
+    w = result["watched"]["totals"]
+    assert w["op_bytes"] == w["bytes"] and w["record_bytes_read"] == sum(w["bytes"].values())
+    assert w["record_kernels"] == {"fused": 0, "standalone": 0}
+
+
+def test_record_reads_fused(fused_result):
+    """Records computed by generated kernels (Note [records fused into compiled kernels]): the
+    stamps are given them and read no tensor; tanh's record rides in tanh's kernel (no extra
+    read); the batch x and the addmm outputs, which no generated kernel writes, are read once
+    each by a record kernel of their own (x, recorded twice, once: inductor computes one record)."""
+    result = fused_result
+    w, u = result["watched"]["totals"], result["unwatched"]["totals"]
+    assert w["op_bytes"] == {"forward": 0, "backward": 0}
+    fw, bw = graph(result, "watched", "forward"), graph(result, "watched", "backward")
+    assert fw["record_kernels"]["fused"] == 1
+    assert fw["record_kernels"]["extra_bytes"] == {"fused": 0, "standalone": X + H + Y}
+    if GRAD_HOOKS:
+        # tangents_1 and the mm once each; tanh's backward is recomputed inside its record kernel
+        # (inlined: it reads the mm output and tanh's output again) rather than fused with its own
+        assert bw["record_kernels"]["extra_bytes"] == {"fused": 0, "standalone": Y + H + 2 * H}
+    assert w["record_bytes_read"] == sum(g["record_kernels"]["extra_bytes"]["standalone"]
+                                         for g in result["watched"]["graphs"])
+    assert u["record_bytes_read"] == 0 and u["record_kernels"] == {"fused": 0, "standalone": 0}
 
 
 def test_kernel_calls_skip_the_kernels_sources():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from nanscan.record import RECORD_SIZE, Field
+from nanscan.record import RECORD_SIZE
 
 _SUPPORTED_REAL = frozenset(
     [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
@@ -90,33 +90,52 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def summarize(x: torch.Tensor) -> torch.Tensor:
     """Return the float64 ``[RECORD_SIZE]`` record of ``x`` on ``x.device`` (see the module docstring)."""
     real = normalize_input(x)
-    vals = real.reshape(-1).to(compute_dtype(real.dtype))
+    vals = real.to(compute_dtype(real.dtype))
     n = vals.numel()
-    out = torch.empty(RECORD_SIZE, dtype=torch.float64, device=vals.device)
-    inf = float("inf")
     if n == 0:
-        out.copy_(torch.tensor([0, 0, 0, 0, inf, -inf, 0, -1, 0, 0], dtype=torch.float64))
-        return out
+        inf = float("inf")
+        return torch.tensor([0, 0, 0, 0, inf, -inf, 0, -1, 0, 0], dtype=torch.float64, device=vals.device)
+    # One elementwise select over the record's 10 slots, not a stack: a stack of 0-d tensors is a
+    # cat, which inductor lowers to one tiny kernel per field.
+    slot = torch.arange(RECORD_SIZE, device=vals.device)
+    record = torch.zeros(RECORD_SIZE, dtype=torch.float64, device=vals.device)
+    for k, field in enumerate(_fields(vals, n)):
+        record = torch.where(slot == k, field.to(torch.float64), record)
+    return record
+
+
+def _fields(vals: torch.Tensor, n: int) -> list:
+    """The record's fields (in ``Field`` order) as 0-d tensors, each a full reduction of ``vals``.
+
+    Written as one functional stack of reductions over the same elements -- no in-place writes, no
+    reshape of a strided tensor (the flat index is an ``arange`` viewed in ``vals``' shape) -- so
+    that inductor, given this as the decomposition of the ops (``nanscan._ops.register_fused_records``),
+    computes all of them in one loop, fused with the kernel that writes ``vals`` where it can
+    (Note [records fused into compiled kernels] in nanscan/_ops.py)."""
+    inf = float("inf")
     finite = torch.isfinite(vals)
-    out[Field.NAN_COUNT] = torch.isnan(vals).sum()
-    out[Field.POSINF_COUNT] = torch.isposinf(vals).sum()
-    out[Field.NEGINF_COUNT] = torch.isneginf(vals).sum()
-    out[Field.ZERO_COUNT] = (vals == 0).sum()
-    out[Field.FINITE_MIN] = torch.where(finite, vals, inf).amin()
-    out[Field.FINITE_MAX] = torch.where(finite, vals, -inf).amax()
     finite_vals = torch.where(finite, vals, 0)
     squares = finite_vals * finite_vals
-    out[Field.SUMSQ] = squares.sum(dtype=vals.dtype)
-    out[Field.SUM] = finite_vals.sum(dtype=vals.dtype)
-    out[Field.SUM4] = (squares * squares).sum(dtype=vals.dtype)
-    index = torch.arange(n, device=vals.device)
+    index = torch.arange(n, device=vals.device).view(vals.shape)
     first = torch.where(finite, n, index).amin()
-    out[Field.FIRST_NONFINITE] = torch.where(first == n, -1, first)
-    return out
+    return [
+        torch.isnan(vals).sum(),
+        torch.isposinf(vals).sum(),
+        torch.isneginf(vals).sum(),
+        (vals == 0).sum(),
+        torch.where(finite, vals, inf).amin(),
+        torch.where(finite, vals, -inf).amax(),
+        squares.sum(dtype=vals.dtype),
+        torch.where(first == n, -1, first),
+        finite_vals.sum(dtype=vals.dtype),
+        (squares * squares).sum(dtype=vals.dtype),
+    ]
 
 
 def summarize_many(xs: list[torch.Tensor]) -> torch.Tensor:
     """Return the ``[len(xs), RECORD_SIZE]`` float64 records of ``xs`` (a Python loop: this is the oracle)."""
     if len(xs) == 0:
         return torch.empty(0, RECORD_SIZE, dtype=torch.float64)
+    if len(xs) == 1:
+        return summarize(xs[0]).unsqueeze(0)
     return torch.stack([summarize(x) for x in xs])

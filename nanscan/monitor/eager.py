@@ -329,6 +329,7 @@ class EagerHooks:
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
         row, owner = info.row_base, traced.owner
+        many, fused = torch.ops.nanscan.summarize_many, traced.fused_records  # (records inductor fuses)
 
         if info.leaf:  # (its inputs are stamped by its hook, with its outputs)
             def pre_hook(_token, module, args, kwargs):
@@ -341,7 +342,7 @@ class EagerHooks:
                     if traced.stamping and len(args) == 1 and not kwargs and type(args[0]) is Tensor:
                         t = args[0]
                         if grad_enabled() and (t.is_floating_point() or t.is_complex()):
-                            stamp([t], None, owner, row, "")
+                            stamp([t], many([t]) if fused else None, owner, row, "")
                             if type(t.numel()) is not int:
                                 traced.write_shape(row, t)
                         return None
@@ -355,6 +356,7 @@ class EagerHooks:
         dynamo_compiling, compiler = _dynamo_compiling, torch.compiler
         stamp, Tensor, grad_enabled = torch.ops.nanscan.stamp, torch.Tensor, torch.is_grad_enabled
         row, owner = info.row_base + traced.INPUTS, traced.owner  # (its first output row)
+        many, fused = torch.ops.nanscan.summarize_many, traced.fused_records  # (records inductor fuses)
         grad_hook = traced.grad_hook(info, 0) if traced.grad_hooks else None  # (the gradient into its output)
 
         if info.is_root:
@@ -379,7 +381,9 @@ class EagerHooks:
                             if grad_hook is not None and output.requires_grad:
                                 output.register_hook(grad_hook)
                         if values:
-                            stamp(values, None, owner, first, "")
+                            # (one list is on one device: an input and output on two keep the op's own records)
+                            fuse = fused and (len(values) == 1 or values[0].device == values[1].device)
+                            stamp(values, many(values) if fuse else None, owner, first, "")
                             for k, v in enumerate(values):
                                 if type(v.numel()) is not int:
                                     traced.write_shape(first + k, v)
@@ -391,7 +395,7 @@ class EagerHooks:
                 if dynamo_compiling() or compiler._is_compiling_flag:
                     if traced.stamping and type(output) is Tensor and grad_enabled():
                         if output.is_floating_point() or output.is_complex():
-                            stamp([output], None, owner, row, "")
+                            stamp([output], many([output]) if fused else None, owner, row, "")
                             if type(output.numel()) is not int:
                                 traced.write_shape(row, output)
                             if grad_hook is not None and output.requires_grad:

@@ -254,6 +254,9 @@ class TracedRows:
         self.owner = next(_OWNERS)
         self.notes = TraceNotes()  # what dynamo's traces of this monitor's hooks noted
         mark_effects_cacheable()
+        # The traced hooks hand the stamp its records from summarize_many, which inductor fuses
+        # into its own kernels (Note [records fused into compiled kernels] in nanscan/_ops.py).
+        self.fused_records = _ops.register_fused_records()
         self.kernels_for = kernels_for  # device -> (summarize one, summarize many)
         # The ops for the buffer's device, fixed at allocate: no lookup to guard on.
         self.record_one = self.record_many = None
@@ -325,13 +328,14 @@ class TracedRows:
         (row label ``label``; "" for the row's own name) -- registered by the traced hooks on the
         output, traced by dynamo into the graph (``GRAD_HOOKS``), run in its backward."""
         row = info.row_base + INPUTS + OUTPUTS + INPUTS + k
-        stamp, owner = torch.ops.nanscan.stamp, self.owner
+        stamp, owner, many, fused = torch.ops.nanscan.stamp, self.owner, torch.ops.nanscan.summarize_many, \
+            self.fused_records
 
         def record_grad(grad):
             # (The common case in as few lines as the hooks' fast path: dynamo traces this body
             # for every hooked output.)
             if self.default_kernels and type(grad.numel()) is int:
-                stamp([grad], None, owner, row, label)
+                stamp([grad], many([grad]) if fused else None, owner, row, label)
             else:
                 self._write_rows(row, [grad], label)
 
@@ -363,17 +367,18 @@ class TracedRows:
         (dynamic) shapes are written at run time."""
         if not values:
             return
-        # (The default kernels summarize inside the op, values on another device than the buffer
-        # included: dynamo traces every line here at every module call.)
-        records = None if self.default_kernels else self._records_of(values)
+        # (Unfused, the default kernels summarize inside the op, values on another device than the
+        # buffer included: dynamo traces every line here at every module call.)
+        records = self._records_of(values) if self.fused_records or not self.default_kernels else None
         torch.ops.nanscan.stamp(values, records, self.owner, first_row, labels)
         for k, t in enumerate(values):
             if type(t.numel()) is not int:  # a symbolic shape: written at run time (static ones are noted)
                 self.write_shape(first_row + k, t)
 
     def _records_of(self, values: list) -> torch.Tensor:
-        """Records of ``values`` by another backend than the default kernels, on the buffer's device
-        (a value on another device -- model parallelism -- is summarized where it lives)."""
+        """Records of ``values`` -- by another backend than the default kernels, or by the default
+        ones for inductor to fuse -- on the buffer's device (a value on another device -- model
+        parallelism -- is summarized where it lives)."""
         device, one_device = self.buffer.device, True
         for t in values:  # (loops, not generator expressions: fewer traced lines)
             if t.device != device:
