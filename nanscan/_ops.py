@@ -229,6 +229,7 @@ LOAD_ERROR: Optional[ExtensionError] = _load()
 # (or ``FUSED_RECORDS = True`` before ``watch``) turns it on; off, the ops stay opaque (the A/B switch).
 FUSED_RECORDS = os.environ.get("NANSCAN_FUSED_RECORDS", "0") == "1"
 _FUSED_REGISTERED = False
+FUSED_CACHE_KEY = "nanscan.fused_records"
 
 
 def register_fused_records() -> bool:
@@ -248,6 +249,14 @@ def register_fused_records() -> bool:
     table = {torch.ops.nanscan.summarize_many.default: reference.summarize_many,
              torch.ops.nanscan.summarize.default: reference.summarize}
     inductor_decompositions.decompositions.update(table)
+    # Inductor's caches key a graph by its FX code and its config, not by the decomposition table:
+    # a config entry tells a graph compiled with the records fused from one compiled without
+    # (their FP32 sums round differently), across processes too.
+    import torch._inductor.config as inductor_config
+
+    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if isinstance(marked, dict):
+        marked[FUSED_CACHE_KEY] = "summarize decomposed"
     # Inductor compiles with a cached copy of that table (``fast_random_decomps``, made at the
     # first compile of the process): a registration after it would otherwise go unseen.
     cached = getattr(inductor_decompositions, "fast_random_decomps", None)

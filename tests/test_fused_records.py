@@ -51,6 +51,10 @@ def unregistered():
         tables.append(cached())
     saved = [{op: t[op] for op in OPS if op in t} for t in tables]
     registered = _ops._FUSED_REGISTERED
+    import torch._inductor.config as inductor_config
+
+    marked = inductor_config.unsafe_marked_cacheable_functions
+    marker = marked.pop(_ops.FUSED_CACHE_KEY, None)
     for t in tables:
         for op in OPS:
             t.pop(op, None)
@@ -66,6 +70,9 @@ def unregistered():
                 t.pop(op, None)
             t.update(s)
         _ops._FUSED_REGISTERED = registered
+        marked.pop(_ops.FUSED_CACHE_KEY, None)
+        if marker is not None:
+            marked[_ops.FUSED_CACHE_KEY] = marker
 
 
 def compiled_code(fn, *args):
@@ -156,6 +163,19 @@ def test_without_the_decomposition_the_op_stays_opaque():
 
         torch.compile(f, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(torch.randn(32))
     assert any(n.target is torch.ops.nanscan.summarize_many.default for n in graphs[0].graph.nodes)
+
+
+def test_inductors_cache_keys_tell_fused_graphs_apart():
+    """A graph compiled with the records fused is never served from inductor's caches to a process
+    without them (nor the reverse): the registration is part of inductor's config, which its cache
+    keys hash."""
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.unsafe_marked_cacheable_functions.get(_ops.FUSED_CACHE_KEY)
+    with unregistered():
+        assert _ops.FUSED_CACHE_KEY not in inductor_config.unsafe_marked_cacheable_functions
+        off = inductor_config.save_config_portable()
+    assert off != inductor_config.save_config_portable()
 
 
 def test_a_registration_after_the_first_compile_of_the_process_takes_effect():

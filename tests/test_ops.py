@@ -81,13 +81,7 @@ def test_compile_inductor_calls_the_op():
     x[10] = float("-inf")
     explained = torch._dynamo.explain(f)(x)
     assert explained.graph_break_count == 0
-    # (inductor's caches off: they key on the graph, not on the decomposition table, and would
-    # serve a graph compiled with the records fused -- tests/test_fused_records.py -- whose sums
-    # round differently)
-    from tests.test_fused_records import no_caches
-
-    with no_caches():
-        out = torch.compile(f, fullgraph=True)(x)
+    out = torch.compile(f, fullgraph=True)(x)
     assert torch.equal(out, f(x))
 
 
