@@ -85,7 +85,10 @@ loop); the defaults are the CPU benchmark's (4 layers, d=256, 4 heads, vocab 102
 
     python -m benchmarks.compiled_traffic [--layers N --d D --heads H --vocab V --seq S --batch B]
         [--device cpu|cuda] [--autocast none|bf16] [--rounds R --steps K] [--threads T] [-v]
-        [--json out.json]
+        [--triton-schedule | --gpu-lowering] [--json out.json]
+
+On the CPU, ``--triton-schedule`` adds Triton's fusion of the same lowering and ``--gpu-lowering``
+lowers as inductor does for an H100 first (Note [Triton's fusion, scheduled on the CPU]).
 """
 from __future__ import annotations
 
@@ -214,9 +217,12 @@ def kernel_names(code: str) -> tuple:
 
 class Observer:
     """While active (``with Observer() as obs``), every graph inductor compiles is accounted in
-    ``obs.graphs`` (dicts; see ``_finish``), in compile order. Inductor's caches are off."""
+    ``obs.graphs`` (dicts; see ``_finish``), in compile order. Inductor's caches are off.
+    ``triton_schedule``: each graph's lowering is also scheduled as Triton's scheduler would fuse
+    it (Note [Triton's fusion, scheduled on the CPU])."""
 
-    def __init__(self):
+    def __init__(self, triton_schedule: bool = False):
+        self.triton_schedule = triton_schedule
         self.graphs: list = []
         self._open: dict = {}  # id(GraphLowering) -> its account so far
         self._stack = contextlib.ExitStack()
@@ -226,7 +232,17 @@ class Observer:
         from torch._inductor.graph import GraphLowering
 
         run_node, codegen = GraphLowering.run_node, GraphLowering.codegen
+        update_scheduler = GraphLowering._update_scheduler
         observer = self
+
+        def observed_update_scheduler(lowering):
+            # Note [Triton's fusion, scheduled on the CPU]
+            if observer.triton_schedule and not hasattr(lowering, "_nanscan_triton"):
+                with inductor_config.patch(cpu_backend="triton"):
+                    update_scheduler(lowering)
+                    lowering._nanscan_triton = {"record_kernels": record_kernels(lowering),
+                                                "kernel_groups": _kernel_groups(lowering)}
+            return update_scheduler(lowering)
 
         def observed_run_node(lowering, n):
             call = _record_call(n)
@@ -257,6 +273,7 @@ class Observer:
         s.enter_context(inductor_config.patch(force_disable_caches=True))
         s.enter_context(mock.patch.object(GraphLowering, "run_node", observed_run_node))
         s.enter_context(mock.patch.object(GraphLowering, "codegen", observed_codegen))
+        s.enter_context(mock.patch.object(GraphLowering, "_update_scheduler", observed_update_scheduler))
         s.enter_context(mock.patch.object(GraphLowering, "save_output_code", save_output_code))
         return self
 
@@ -312,6 +329,8 @@ class Observer:
         g["generated_kernels"] = generated
         extern, nanscan_calls, groups, generated_reads = {}, 0, 0, set()
         g["record_kernels"] = record_kernels(lowering)
+        if hasattr(lowering, "_nanscan_triton"):
+            g["triton"] = lowering._nanscan_triton
         for node in getattr(getattr(lowering, "scheduler", None), "nodes", []) or []:
             if isinstance(node, sched.NopKernelSchedulerNode):
                 continue
@@ -333,6 +352,66 @@ class Observer:
             for v in record["values"]:
                 v["read_by_generated"] = v["buffer"] in generated_reads
         self.graphs.append(g)
+
+
+# Note [Triton's fusion, scheduled on the CPU]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# No GPU here, yet the question for the GPU is which records Triton's scheduler fuses into their
+# producers. Inductor can schedule a CPU graph for Triton (``config.cpu_backend = "triton"``): the
+# same lowered IR, fused by Triton's rules (SIMDScheduling: a pointwise node fuses into a reduction
+# over the same number of elements, whatever its loop's shape) rather than the C++ backend's (its
+# loop variables must match: `_why_fuse_nodes`). ``GraphLowering._update_scheduler`` is made to
+# build a Triton-scheduled ``Scheduler`` first -- only to count its record kernels and their extra
+# reads (``record_kernels``), never to generate code (there is no Triton driver here) -- then the
+# C++ one that compiles and runs (``_update_scheduler`` is inductor's re-initialization of the
+# scheduler: a second call rebuilds it from the same operations). What this is not: the GPU's
+# lowering. On a GPU inductor splits a large full reduction into two stages (``Reduction.num_splits``;
+# the C++ backend reduces to one element in one loop), and the first stage, not the whole
+# reduction, fuses with the producer; device-dependent heuristics (persistent reductions, kernel
+# size limits) may refuse some fusions. So it is an estimate of the GPU's fusion from the CPU's
+# lowering -- labelled so in the table --, to be checked by the same account run on the GPU.
+
+
+# An H100's properties, for ``as_if_lowered_for_a_gpu`` (what inductor's split heuristics ask).
+H100 = dict(type="cuda", index=0, multi_processor_count=132, cc=90, major=9, regs_per_multiprocessor=65536,
+            max_threads_per_multi_processor=2048, max_threads_per_block=1024, warp_size=32)
+
+
+@contextlib.contextmanager
+def as_if_lowered_for_a_gpu():
+    """Compile CPU graphs lowered as inductor lowers them for Triton on an H100 -- a large full
+    reduction split in two stages (``Reduction.num_splits`` with an H100's SM count) -- and
+    generate (and run) C++ code for that lowering. With ``Observer(triton_schedule=True)`` the
+    Triton rows are then an estimate of the GPU's own graph (Note [Triton's fusion, scheduled on
+    the CPU]); the C++ rows are of this lowering, not of the CPU's default one."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.runtime import hints
+
+    create, codegen = hints.DeviceProperties.create, GraphLowering.codegen
+    gpu = hints.DeviceProperties(**H100)
+
+    def properties(device):
+        return gpu if torch.device(device).type == "cpu" else create(device)
+
+    def cpp_codegen(lowering, *args, **kwargs):
+        with inductor_config.patch(cpu_backend="cpp"):
+            return codegen(lowering, *args, **kwargs)
+
+    with contextlib.ExitStack() as s:
+        s.enter_context(inductor_config.patch(cpu_backend="triton"))  # (the lowering's heuristics)
+        s.enter_context(mock.patch.object(hints.DeviceProperties, "create", staticmethod(properties)))
+        s.enter_context(mock.patch.object(GraphLowering, "codegen", cpp_codegen))
+        yield
+
+
+def _kernel_groups(lowering) -> int:
+    """The generated kernels of ``lowering``'s scheduler (its fused nodes that are neither extern
+    calls nor no-ops)."""
+    from torch._inductor import scheduler as sched
+
+    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
+    return sum(1 for n in nodes if not isinstance(n, (sched.NopKernelSchedulerNode, sched.ExternKernelSchedulerNode)))
 
 
 def _recorded(op, args) -> tuple:
@@ -380,7 +459,7 @@ def record_kernels(lowering) -> dict:
     from torch._inductor import scheduler as sched
     from torch._inductor.virtualized import V
 
-    out = {"fused": 0, "standalone": 0, "extra_bytes": {"fused": 0, "standalone": 0}}
+    out = {"fused": 0, "standalone": 0, "extra_bytes": {"fused": 0, "standalone": 0}, "extra_reads": {}}
     nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
     # (the records' own intermediates -- a reduction's scalar read by the record's assembly -- are
     # not reads of the step's tensors)
@@ -408,6 +487,8 @@ def record_kernels(lowering) -> dict:
                     if dep.name not in covered:
                         reads[dep.name] = max(reads.get(dep.name, 0), _dep_bytes(dep))
             out["extra_bytes"][kind] += sum(reads.values())
+            for name, b in reads.items():  # (buffer -> bytes, to name what is still read)
+                out["extra_reads"][name] = out["extra_reads"].get(name, 0) + b
     return out
 
 
@@ -465,6 +546,15 @@ def totals(graphs: list) -> dict:
                     out["distinct"]["bytes"] += b
     out["extern_calls"] = dict(sorted(out["extern_calls"].items()))
     out["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(out["generated_record_bytes"].values())
+    out["kernel_groups"] = sum(g.get("scheduler_kernel_groups", 0) for g in graphs)
+    if graphs and all("triton" in g for g in graphs):  # (Note [Triton's fusion, scheduled on the CPU])
+        tri = {"kernel_groups": sum(g["triton"]["kernel_groups"] for g in graphs),
+               "record_kernels": {k: sum(g["triton"]["record_kernels"][k] for g in graphs)
+                                  for k in ("fused", "standalone")},
+               "generated_record_bytes": {k: sum(g["triton"]["record_kernels"]["extra_bytes"][k] for g in graphs)
+                                          for k in ("fused", "standalone")}}
+        tri["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(tri["generated_record_bytes"].values())
+        out["triton"] = tri
     return out
 
 
@@ -483,11 +573,11 @@ def runtime_record_ops(step) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ measuring
-def observe_compile(step, steps: int = 3) -> dict:
+def observe_compile(step, steps: int = 3, triton_schedule: bool = False) -> dict:
     """Run ``step`` ``steps`` times (the first compiles) under an :class:`Observer`: the graphs
     compiled at each step, and the per-step totals of all of them."""
     per_step = []
-    with Observer() as obs:
+    with Observer(triton_schedule) as obs:
         for _ in range(steps):
             before = len(obs.graphs)
             step()
@@ -516,22 +606,25 @@ def interleaved_time(steps: dict, *, device, rounds: int, steps_per_round: int) 
 
 
 def measure_pair(make, step, *, device="cpu", warmup: int = 3, rounds: int = 5, steps: int = 3,
-                 watch_options=None, compile_options=None) -> dict:
+                 watch_options=None, compile_options=None, triton_schedule: bool = False) -> dict:
     """``make()`` -> (model, opt, batch), twice (seeded: the same model); one is watched, both are
     compiled (``torch.compile(model, **compile_options)``); ``step(model, opt, batch)``. The
     watched model compiles (and runs its first ``warmup`` steps) first, then the bare one, each
     under an :class:`Observer`; then the record ops of one steady step of each (profiler), then
-    ``rounds`` interleaved timing rounds (none when 0)."""
+    ``rounds`` interleaved timing rounds (none when 0). ``triton_schedule``: each graph is also
+    scheduled by Triton's rules (Note [Triton's fusion, scheduled on the CPU])."""
     # Note [two instances of one class]: dynamo keeps graphs per code object and, by default, does
     # not guard on module hooks; the bare model's graph (compiled later, tried first) passes the
     # watched model's guards, and the watched model would run it -- without its hooks, silently
     # where a loss is recorded. Guarding on hooks keeps each model on its own graphs.
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
         return _measure_pair(make, step, device=device, warmup=warmup, rounds=rounds, steps=steps,
-                             watch_options=watch_options, compile_options=compile_options or {})
+                             watch_options=watch_options, compile_options=compile_options or {},
+                             triton_schedule=triton_schedule)
 
 
-def _measure_pair(make, step, *, device, warmup, rounds, steps, watch_options, compile_options) -> dict:
+def _measure_pair(make, step, *, device, warmup, rounds, steps, watch_options, compile_options,
+                  triton_schedule) -> dict:
     watched_model, watched_opt, watched_batch = make()
     bare_model, bare_opt, bare_batch = make()
     mon = nanscan.watch(watched_model, watched_opt, **(watch_options or {}))
@@ -540,8 +633,8 @@ def _measure_pair(make, step, *, device, warmup, rounds, steps, watch_options, c
         bare_c = torch.compile(bare_model, **compile_options)
         variants = {"unwatched": lambda: step(bare_c, bare_opt, bare_batch),
                     "watched": lambda: step(watched_c, watched_opt, watched_batch)}
-        result = {"watched": observe_compile(variants["watched"], warmup),
-                  "unwatched": observe_compile(variants["unwatched"], warmup)}
+        result = {"watched": observe_compile(variants["watched"], warmup, triton_schedule),
+                  "unwatched": observe_compile(variants["unwatched"], warmup, triton_schedule)}
         for name, fn in variants.items():
             if not result[name]["graphs"]:
                 raise RuntimeError(f"the {name} model compiled no graph: it ran the other model's (dynamo's "
@@ -575,7 +668,7 @@ def _grad_hooks() -> bool:
 
 
 def measure_gpt(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, device="cpu", autocast=None,
-                warmup=3, rounds=5, steps=3) -> dict:
+                warmup=3, rounds=5, steps=3, triton_schedule=False) -> dict:
     """The benchmark GPT (benchmarks/traffic.py's ``make_gpt`` / ``gpt_step``: AdamW, the plain loop)."""
     from benchmarks.traffic import gpt_step, make_gpt
 
@@ -588,7 +681,8 @@ def measure_gpt(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, devic
     def step(model, opt, idx):
         return gpt_step(model, opt, idx, autocast)
 
-    result = measure_pair(make, step, device=device, warmup=warmup, rounds=rounds, steps=steps)
+    result = measure_pair(make, step, device=device, warmup=warmup, rounds=rounds, steps=steps,
+                          triton_schedule=triton_schedule)
     result["config"].update(model="GPT", layers=layers, d=d, heads=heads, vocab=vocab, seq=seq, batch=batch,
                             autocast="bf16" if autocast else "none")
     return result
@@ -614,7 +708,8 @@ def title(result: dict) -> str:
              f"{c['batch']}; {c['parameters']:,} parameters), {c['autocast'] if c['autocast'] != 'none' else 'fp32'}"
              if c.get("model") == "GPT" else c.get("model", "model"))
     return (f"compiled-graph traffic, per training step (forward + backward graphs): {model}, AdamW, "
-            f"torch.compile (inductor), {c['device']}, torch {c['torch']}")
+            f"torch.compile (inductor), {c['device']}, torch {c['torch']}"
+            + (f"; lowered {c['lowering']}" if c.get("lowering") else ""))
 
 
 def table(result: dict) -> str:
@@ -648,6 +743,15 @@ def table(result: dict) -> str:
         lambda r, t: " / ".join(_mib(t["generated_record_bytes"][k]) for k in ("fused", "standalone")))
     row("**MiB read for the records** (the ops' reads + the generated record kernels' extra reads)",
         lambda r, t: _mib(t["record_bytes_read"]))
+    if "triton" in tw and "triton" in tu:  # Note [Triton's fusion, scheduled on the CPU]
+        row("*Triton's scheduler, estimated from this lowering:* generated kernels (fused scheduler nodes)",
+            lambda r, t: str(t["triton"]["kernel_groups"]))
+        row("... generated kernels computing records: fused with the step's own / standalone",
+            lambda r, t: f"{t['triton']['record_kernels']['fused']} / {t['triton']['record_kernels']['standalone']}")
+        row("... MiB they read beyond what their kernel reads anyway: fused / standalone",
+            lambda r, t: " / ".join(_mib(t["triton"]["generated_record_bytes"][k]) for k in ("fused", "standalone")))
+        row("... **MiB read for the records**", lambda r, t: _mib(t["triton"]["record_bytes_read"]))
+        row("(the C++ scheduler's generated kernels, for comparison)", lambda r, t: str(t["kernel_groups"]))
     row("... distinct tensors / MiB (a tensor read by several ops once)",
         lambda r, t: f"{t['distinct']['records']} / {_mib(t['distinct']['bytes'])}")
     labels = {GENERATED: "made by a generated kernel (fusible into its producer)",
@@ -706,6 +810,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (0: no timing)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: 1 on the CPU)")
+    parser.add_argument("--triton-schedule", action="store_true",
+                        help="on the CPU, also schedule each graph by Triton's fusion rules (an estimate of the GPU's)")
+    parser.add_argument("--gpu-lowering", action="store_true",
+                        help="on the CPU, lower as for an H100 (split reductions) and schedule by Triton's rules too")
     parser.add_argument("-v", "--verbose", action="store_true", help="list every record op of the watched graphs")
     parser.add_argument("--json", default=None, help="write every number here")
     args = parser.parse_args(argv)
@@ -713,11 +821,17 @@ def main(argv=None) -> int:
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    on_cpu = torch.device(args.device).type == "cpu"
+    lowering = as_if_lowered_for_a_gpu() if args.gpu_lowering and on_cpu else contextlib.nullcontext()
     try:
-        result = measure_gpt(layers=args.layers, d=args.d, heads=args.heads, vocab=args.vocab, seq=args.seq,
-                             batch=args.batch, device=args.device,
-                             autocast=None if args.autocast is None else args.autocast == "bf16",
-                             warmup=args.warmup, rounds=args.rounds, steps=args.steps)
+        with lowering:
+            result = measure_gpt(layers=args.layers, d=args.d, heads=args.heads, vocab=args.vocab, seq=args.seq,
+                                 batch=args.batch, device=args.device,
+                                 autocast=None if args.autocast is None else args.autocast == "bf16",
+                                 warmup=args.warmup, rounds=args.rounds, steps=args.steps,
+                                 triton_schedule=(args.triton_schedule or args.gpu_lowering) and on_cpu)
+        if args.gpu_lowering and on_cpu:
+            result["config"]["lowering"] = "as for an H100 (emulated on the CPU)"
     finally:
         torch.set_num_threads(before)
     print(table(result))

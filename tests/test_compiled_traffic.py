@@ -151,7 +151,7 @@ def fused_result():
     torch._dynamo.reset()  # (the other fixture's graphs of the same code would be reused)
     try:
         with unregistered():  # (inductor's tables as they were, after: other tests compare with eager exactly)
-            yield ct.measure_pair(make, step, warmup=2, rounds=0, steps=1)
+            yield ct.measure_pair(make, step, warmup=2, rounds=0, steps=1, triton_schedule=True)
     finally:
         _ops.FUSED_RECORDS = was
         torch.set_num_threads(before)
@@ -183,6 +183,26 @@ def test_record_reads_fused(fused_result):
     assert w["record_bytes_read"] == sum(g["record_kernels"]["extra_bytes"]["standalone"]
                                          for g in result["watched"]["graphs"])
     assert u["record_bytes_read"] == 0 and u["record_kernels"] == {"fused": 0, "standalone": 0}
+
+
+def test_triton_schedule_of_the_same_lowering(fused_result):
+    """Note [Triton's fusion, scheduled on the CPU]: the same graphs scheduled by Triton's rules
+    beside the C++ scheduler's (whose counts test_record_reads_fused pins with this on: the Triton
+    schedule built first changes nothing of them). Triton fuses a pointwise producer into a
+    reduction over its elements whatever its loop's shape, so its records read at most what the
+    C++ backend's read, and tanh's record rides in tanh's kernel there too."""
+    result = fused_result
+    for g in result["watched"]["graphs"] + result["unwatched"]["graphs"]:
+        tri = g["triton"]
+        assert tri["kernel_groups"] >= 1
+        assert sum(tri["record_kernels"]["extra_bytes"].values()) <= sum(g["record_kernels"]["extra_bytes"].values())
+    fw = graph(result, "watched", "forward")
+    assert fw["triton"]["record_kernels"]["fused"] >= 1
+    assert fw["triton"]["record_kernels"]["extra_bytes"]["fused"] == 0
+    w = result["watched"]["totals"]
+    assert w["triton"]["record_bytes_read"] <= w["record_bytes_read"]
+    assert result["unwatched"]["totals"]["triton"]["record_kernels"] == {"fused": 0, "standalone": 0}
+    assert "Triton's scheduler" in ct.table(result)
 
 
 def test_kernel_calls_skip_the_kernels_sources():
