@@ -327,7 +327,7 @@ class Observer:
         self._account(lowering)  # (a graph with no record op)
         g = self._open.pop(id(lowering))
         g["generated_kernels"] = generated
-        extern, nanscan_calls, groups, generated_reads = {}, 0, 0, set()
+        extern, nanscan_calls, generated_reads = {}, 0, set()
         g["record_kernels"] = record_kernels(lowering)
         if hasattr(lowering, "_nanscan_triton"):
             g["triton"] = lowering._nanscan_triton
@@ -341,13 +341,12 @@ class Observer:
                     name = _kernel_name(node.node)
                     extern[name] = extern.get(name, 0) + 1
                 continue
-            groups += 1
             for sub in node.get_nodes():  # (the step's own kernels: record kernels read every recorded tensor)
                 if not _computes_a_record(sub):
                     generated_reads.update(dep.name for dep in sub.read_writes.reads)
         g["extern_calls"] = dict(sorted(extern.items()))
         g["nanscan_calls"] = nanscan_calls
-        g["scheduler_kernel_groups"] = groups
+        g["scheduler_kernel_groups"] = _kernel_groups(lowering)
         for record in g["record_ops"]:
             for v in record["values"]:
                 v["read_by_generated"] = v["buffer"] in generated_reads
@@ -493,6 +492,13 @@ def record_kernels(lowering) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ a step's totals
+def _summed_record_kernels(accounts: list) -> dict:
+    """``record_kernels`` and ``generated_record_bytes`` summed over ``record_kernels`` accounts."""
+    kinds = ("fused", "standalone")
+    return {"record_kernels": {k: sum(a.get(k, 0) for a in accounts) for k in kinds},
+            "generated_record_bytes": {k: sum(a.get("extra_bytes", {}).get(k, 0) for a in accounts) for k in kinds}}
+
+
 def totals(graphs: list) -> dict:
     """Per-step sums over ``graphs`` (each taken to run once per step)."""
     by_kind = {}
@@ -514,10 +520,7 @@ def totals(graphs: list) -> dict:
         # given is not read by the op), and the generated record kernels' extra reads (record_kernels).
         "op_bytes": {k: sum(v["bytes"] or 0 for g in graphs if g["kind"] == k for r in g["record_ops"]
                             for v in r["values"] if v.get("read_by_op", True)) for k in by_kind},
-        "record_kernels": {kind: sum(g.get("record_kernels", {}).get(kind, 0) for g in graphs)
-                           for kind in ("fused", "standalone")},
-        "generated_record_bytes": {kind: sum(g.get("record_kernels", {}).get("extra_bytes", {}).get(kind, 0)
-                                             for g in graphs) for kind in ("fused", "standalone")},
+        **_summed_record_kernels([g.get("record_kernels", {}) for g in graphs]),
         "by_producer": {p: {"records": 0, "bytes": 0} for p in PRODUCERS},
         "by_extern_kernel": {},
         "read_by_generated": {"records": 0, "bytes": 0},  # of tensors no generated kernel writes
@@ -549,10 +552,7 @@ def totals(graphs: list) -> dict:
     out["kernel_groups"] = sum(g.get("scheduler_kernel_groups", 0) for g in graphs)
     if graphs and all("triton" in g for g in graphs):  # (Note [Triton's fusion, scheduled on the CPU])
         tri = {"kernel_groups": sum(g["triton"]["kernel_groups"] for g in graphs),
-               "record_kernels": {k: sum(g["triton"]["record_kernels"][k] for g in graphs)
-                                  for k in ("fused", "standalone")},
-               "generated_record_bytes": {k: sum(g["triton"]["record_kernels"]["extra_bytes"][k] for g in graphs)
-                                          for k in ("fused", "standalone")}}
+               **_summed_record_kernels([g["triton"]["record_kernels"] for g in graphs])}
         tri["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(tri["generated_record_bytes"].values())
         out["triton"] = tri
     return out
