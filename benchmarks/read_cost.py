@@ -15,19 +15,23 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
 - **records finished at the read**: the parts of it that make records -- the read window's and the
   gradient sink's ``take`` (on the CPU they summarize, in one pass, the small tensors copied on
   arrival: HostRows in csrc/monitor/grad_sink.h; on a device, the last batch's launch) and the
-  parameter gradients' records (``ModelTensors.grad_block``: one ``grad_records`` call). That is
-  kernel work on the CPU, a launch or two on a device;
-- **read + decision**: the difference -- stacking or not, the copy, the non-finite test, the
-  findings and every consumer: what the clean-step target is about (<= 30 us at 1,000 records, flat
-  in the number of records);
+  parameter gradients' records (``ModelTensors.grad_records``: one C++ call). That is kernel work
+  on the CPU, a launch or two on a device;
+- **read + decision**: the difference -- the non-finite test, the slots, the copy, the findings and
+  every consumer: what the clean-step target is about (<= 30 us at 1,000 records, flat in the number
+  of records);
 - **Python calls**: functions and builtins called from Python during one read (``sys.setprofile``
   "call" and "c_call" events, in a separate pass: the profile hook slows the read).
 
-Each ``n`` is measured in three variants: the read decided as by default (``DEVICE_DECISION =
-"cuda"``: on the CPU, in the blocks the windows made, nothing stacked), stacked and copied whole
-(``"never"``: the read before the clean-read path), and with every part that walks a read's rows
-on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
-no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``), in
+Each ``n`` is measured in four variants: the read decided as by default (``DEVICE_DECISION =
+"cuda"``, sync mode: a clean read is decided in the blocks the windows made before any slot, Copy
+or Read is made of it -- Note [a clean read is decided without a Read] in
+nanscan/monitor/readback.py), the same in async mode (``"async"``: a Copy decided in its blocks, a
+read later, then bookkept without a Read: the clean path before that note, and the GPU's),
+stacked and copied whole (``"never"``: the read before the clean-read path), and with every part
+that walks a read's rows on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and
+telemetry every 10 steps to a no-op sink -- the rows are then stacked, and each part walks them
+through ``Read.runs``), in
 interleaved rounds (one round: ``--steps`` watched steps of each variant, order reversed every
 round); a number is the median over every read of the rounds. The slope per record is (the largest
 ``n``'s value - the smallest's) / (their record difference).
@@ -52,9 +56,11 @@ from nanscan.monitor import readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.tensors import ModelTensors
 
-# variant -> (the decision, every part that walks the rows on)
-VARIANTS = {"cuda": ("cuda", False), "never": ("never", False), "parts": ("cuda", True)}
-NAMES = {"cuda": "default (in blocks)", "never": "stacked, copied whole", "parts": "every part on"}
+# variant -> (the decision, the mode, every part that walks the rows on)
+VARIANTS = {"cuda": ("cuda", "sync", False), "async": ("cuda", "async", False), "never": ("never", "sync", False),
+            "parts": ("cuda", "sync", True)}
+NAMES = {"cuda": "default (no Copy)", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
+         "parts": "every part on"}
 
 
 class _Timed:
@@ -97,19 +103,20 @@ def _train(model, opt, x, steps: int) -> None:
         opt.step()
 
 
-def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False) -> dict:
-    """Watch a fresh ``layers``-layer model, train ``steps`` steps (after 2 untimed ones) with the
-    read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on); per
-    read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls."""
+def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False,
+              mode: str = "sync") -> dict:
+    """Watch a fresh ``layers``-layer model in ``mode``, train ``steps`` steps (after 2 untimed ones)
+    with the read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on);
+    per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls."""
     model, opt, x = _model(layers)
-    options = {}
+    options = {"mode": mode}
     log_dir = None
     if parts:
         log_dir = tempfile.mkdtemp(prefix="nanscan-read-cost-")
-        options = dict(log=os.path.join(log_dir, "events.jsonl"), spikes=True, headroom_bits=4.0,
+        options.update(log=os.path.join(log_dir, "events.jsonl"), spikes=True, headroom_bits=4.0,
                        telemetry=lambda step, scalars: None, telemetry_every=10)
     whole, finishing, records, calls = [], [], [], []
-    read_and_decide, grad_block = Monitor._read_and_decide, ModelTensors.grad_block
+    read_and_decide, grad_records = Monitor._read_and_decide, ModelTensors.grad_records
     decision_before = readback.DEVICE_DECISION
 
     def timed_read(self, *args, **kwargs):
@@ -129,16 +136,16 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
                 sys.setprofile(None)
                 calls.append(counted[0])
 
-    def timed_grad_block(self, *args, **kwargs):
+    def timed_grad_records(self, *args, **kwargs):
         t = time.perf_counter_ns()
         try:
-            found = grad_block(self, *args, **kwargs)
+            found = grad_records(self, *args, **kwargs)
         finally:
             finishing[-1] += time.perf_counter_ns() - t
         return found
 
     readback.DEVICE_DECISION = decision
-    Monitor._read_and_decide, ModelTensors.grad_block = timed_read, timed_grad_block
+    Monitor._read_and_decide, ModelTensors.grad_records = timed_read, timed_grad_records
     try:
         with nanscan.watch(model, opt, **options) as mon:
             reading = mon.reading
@@ -147,22 +154,27 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
                 reading.grad_sink = _Timed(reading.grad_sink, finishing)
             _train(model, opt, x, 2)
             del whole[:], finishing[:], calls[:]
-            seen = readback.Copy.start.__func__
+            # (records counted from the blocks: a read decided clean has no slots)
+            start, clean_of = readback.Copy.start.__func__, readback.Clean.of.__func__
 
             def counting_start(cls, blocks, slots, *args, **kwargs):
-                records.append(len(slots))
-                return seen(cls, blocks, slots, *args, **kwargs)
+                records.append(sum(b.shape[0] for b in blocks))
+                return start(cls, blocks, slots, *args, **kwargs)
 
-            readback.Copy.start = classmethod(counting_start)
+            def counting_clean(cls, step, blocks, *args, **kwargs):
+                records.append(sum(b.shape[0] for b in blocks))
+                return clean_of(cls, step, blocks, *args, **kwargs)
+
+            readback.Copy.start, readback.Clean.of = classmethod(counting_start), classmethod(counting_clean)
             try:
                 _train(model, opt, x, steps)
             finally:
-                readback.Copy.start = classmethod(seen)
-                Monitor._read_and_decide, ModelTensors.grad_block = read_and_decide, grad_block
+                readback.Copy.start, readback.Clean.of = classmethod(start), classmethod(clean_of)
+                Monitor._read_and_decide, ModelTensors.grad_records = read_and_decide, grad_records
             assert mon.incidents == [], "the benchmark's steps must be clean"
     finally:
         readback.DEVICE_DECISION = decision_before
-        Monitor._read_and_decide, ModelTensors.grad_block = read_and_decide, grad_block
+        Monitor._read_and_decide, ModelTensors.grad_records = read_and_decide, grad_records
         if log_dir is not None:
             for name in os.listdir(log_dir):
                 os.remove(os.path.join(log_dir, name))
@@ -177,12 +189,12 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
         order = list(VARIANTS)
         for r in range(rounds):
             for variant in (order if r % 2 == 0 else order[::-1]):
-                decision, parts = VARIANTS[variant]
-                got = run_reads(n, decision, steps, parts=parts)
+                decision, mode, parts = VARIANTS[variant]
+                got = run_reads(n, decision, steps, parts=parts, mode=mode)
                 for k in ("whole_ns", "finishing_ns", "records"):
                     samples[variant][k] += got[k]
-        for variant, (decision, parts) in VARIANTS.items():
-            samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts)["calls"]
+        for variant, (decision, mode, parts) in VARIANTS.items():
+            samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts, mode=mode)["calls"]
             s = samples[variant]
             whole = statistics.median(s["whole_ns"]) / 1e3
             finishing = statistics.median(s["finishing_ns"]) / 1e3

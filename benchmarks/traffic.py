@@ -19,7 +19,10 @@ the parameters recorded after the last update, as every later read does):
 How each number is obtained
 ---------------------------
 (a) From the read that lands in the step. ``Read.land`` (nanscan/monitor/read.py) is wrapped for
-    the step, so the ``Read`` the monitor decodes is kept. Every row of a read is one record -- one
+    the step, so the ``Read`` the monitor decodes is kept (a clean read, which the monitor decides
+    without a ``Read``, is decoded whole while observed -- Note [a clean read is decided without a
+    Read] in nanscan/monitor/readback.py: the account needs its rows, and the device read, which
+    that note's CPU path never takes, is the one measured). Every row of a read is one record -- one
     tensor summarized once -- and its entry says what the tensor was (nanscan/monitor/slots.py):
     the C++ hook rows (``EagerRows``: ``rows.row(i)`` gives the row's kind -- output, body, batch
     input, model loss --, dtype and shape), the gradient sink's rows (``GradBlock``: the
@@ -95,7 +98,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanscan
 from nanscan.monitor.read import Read
-from nanscan.monitor.readback import Copy
+from nanscan.monitor.readback import Clean, Copy
 from nanscan.monitor.slots import BATCH_INPUT, BODY, MODEL_LOSS, OUTPUT, Block, EagerRows, GradBlock
 
 H200_BANDWIDTH = 4.3e12  # B/s: the H200's measured device copy bandwidth
@@ -229,6 +232,8 @@ def observe():
     seen = Observed()
     land, wait = Read.__dict__["land"], Copy.__dict__["wait"]
     fetch = Copy.__dict__.get("_fetch_rows")
+    # (every read decoded whole: a clean one has no Read otherwise)
+    clean_of, clean = Clean.__dict__["of"], Copy.__dict__["clean"]
 
     def observed_land(cls, copy, traced, **kwargs):
         read = land.__func__(cls, copy, traced, **kwargs)
@@ -237,7 +242,9 @@ def observe():
 
     def observed_wait(self):
         rows = self.rows
-        if not self.lands:
+        if getattr(self, "landed", False):  # (waited on already: a landed copy is left as it is)
+            pass
+        elif not self.lands:
             seen.empty_waits += 1
         else:  # (a CPU read decided in its blocks copies nothing: on a device it is the one sync)
             seen.copies.append((self, 0 if rows is None else rows.numel() * rows.element_size()))
@@ -250,6 +257,8 @@ def observe():
 
     Read.land = classmethod(observed_land)
     Copy.wait = observed_wait
+    Clean.of = classmethod(lambda cls, *args, **kwargs: None)
+    Copy.clean = property(lambda self: False)
     if fetch is not None:
         Copy._fetch_rows = observed_fetch
     try:
@@ -257,6 +266,7 @@ def observe():
     finally:
         Read.land = land
         Copy.wait = wait
+        Clean.of, Copy.clean = clean_of, clean
         if fetch is not None:
             Copy._fetch_rows = fetch
 

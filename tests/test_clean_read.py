@@ -26,11 +26,28 @@ def copies(monkeypatch):
     wait = readback.Copy.wait
 
     def recording(self):
+        if not self.landed:
+            landed.append(self)
         wait(self)
-        landed.append(self)
 
     monkeypatch.setattr(readback.Copy, "wait", recording)
     return landed
+
+
+@pytest.fixture
+def cleans(monkeypatch):
+    """Every read of the test decided clean before a Copy was made of it (Clean), in order."""
+    found = []
+    of = readback.Clean.of.__func__
+
+    def recording(cls, *args, **kwargs):
+        clean = of(cls, *args, **kwargs)
+        if clean is not None:
+            found.append(clean)
+        return clean
+
+    monkeypatch.setattr(readback.Clean, "of", classmethod(recording))
+    return found
 
 
 def deep(n: int) -> nn.Module:
@@ -70,10 +87,23 @@ def test_a_clean_step_reads_back_the_count_and_nothing_else(monkeypatch, copies,
         assert c.read_back_bytes == 8 * (1 + len(c.extra_names))  # not 8 * RECORD_SIZE * records
 
 
-def test_on_the_cpu_a_clean_read_is_decided_in_its_blocks(copies):
-    # the rows lie on the host already: nothing is copied or stacked for a clean read
+def test_on_the_cpu_a_clean_sync_read_is_decided_before_its_slots_are_made(copies, cleans):
+    # the rows lie on the host already: a clean step's read is decided in the blocks the windows
+    # made -- no slot list, Copy or Read is made of it --, and what later reads need is kept
     mon = train(deep(4))
     assert mon.incidents == [] and mon.ledger.applied == 3
+    assert [c.step for c in cleans] == [0, 1, 2]
+    assert all(mon.tensors.grad_names(c.grad_names) == mon.tensors.all_param_names and c.extras == {} for c in cleans)
+    assert not [c for c in copies if not c.final]  # (close reads the last update's parameters: a Copy)
+    assert mon.tensors.grads_read[2] == (mon.tensors.all_param_names, set())
+    assert mon.tensors.forward_bad[2] is False
+
+
+def test_on_the_cpu_an_async_clean_read_is_decided_in_its_blocks(copies, cleans):
+    # async mode decodes a read one read late: a Copy, decided in its blocks, nothing stacked
+    mon = train(deep(4), mode="async")
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    assert cleans == []
     training = [c for c in copies if c.slots]
     assert training
     for c in training:
@@ -92,7 +122,7 @@ def test_never_stacks_and_copies_every_read_whole(monkeypatch, copies):
 
 
 def test_a_row_asked_of_a_read_in_blocks_is_stacked_then(copies):
-    train(deep(2), steps=1)
+    train(deep(2), steps=1, mode="async")
     clean = next(c for c in copies if c.slots)
     blocks = list(clean.blocks)
     row = clean.row(len(clean.slots) - 1)
@@ -148,7 +178,7 @@ def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decisio
     assert results["always"] == results["never"] == results["cuda"]
 
 
-def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
+def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies, cleans):
     # GradScaler's scale is read with the count: the same scale history, the same skipped updates
     # and incidents as the host's decision.
     histories = {}
@@ -157,7 +187,7 @@ def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
         torch.manual_seed(0)
         model = deep(3)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)  # the first steps' scaled grads overflow
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 126)
         with nanscan.watch(model, opt, scaler, on_nonfinite="record") as mon:
             for _ in range(4):
                 scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
@@ -166,10 +196,13 @@ def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies):
                 opt.zero_grad()
         histories[where] = (list(mon.ledger.scale_history), mon.ledger.applied, [key(i) for i in mon.incidents])
         read = [c for c in copies if "scale" in c.extra_names]
-        assert read and all((c.device_rows is not None) == (where == "always") for c in read)
-        if where == "cuda":  # (in blocks on the host: nothing copied, a failing read stacked)
-            assert all(c.device_rows is None and c.read_back_bytes == 0 for c in read)
+        if where == "cuda":  # (clean on the host: decided before a Copy is made, the scale taken with it)
+            assert not read and [c.extras for c in cleans] == [{"scale": 2.0 ** 126}] * 4
+        else:
+            assert read and all((c.device_rows is not None) == (where == "always") for c in read)
+            assert cleans == []
         copies.clear()
+        cleans.clear()
     assert histories["always"] == histories["never"] == histories["cuda"]
     assert histories["always"][0][0] == (0, 2.0 ** 126)
 

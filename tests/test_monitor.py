@@ -235,9 +235,9 @@ def test_warn_and_record_modes_and_every():
 def test_one_host_read_per_step(monkeypatch):
     model, opt, mon = setup()
     reads = []
-    original = monitor_module.Monitor._decode
-    monkeypatch.setattr(monitor_module.Monitor, "_decode",
-                        lambda self, rows, *a, **k: (reads.append(rows is not None), original(self, rows, *a, **k)))
+    original = monitor_module.Monitor._read_and_decide
+    monkeypatch.setattr(monitor_module.Monitor, "_read_and_decide",
+                        lambda self, *a, **k: (reads.append(True), original(self, *a, **k)))
     with mon:
         train(model, mon, 4, lambda i: torch.randn(4, 8), opt)
         assert sum(reads) == 4

@@ -44,7 +44,8 @@ from nanscan.monitor.incident import Incident, NonFiniteError
 from nanscan.monitor.ledger import Ledger
 from nanscan.monitor.outcomes import Outcomes
 from nanscan.monitor.read import Read
-from nanscan.monitor.readback import Copy
+from nanscan.monitor import distributed
+from nanscan.monitor.readback import Clean, Copy
 from nanscan.monitor.reading import Reading
 from nanscan.monitor.results import Results
 from nanscan.monitor.skipping import SkipStep, StepSkipper
@@ -567,15 +568,28 @@ class Monitor(Results):
         state.was_read()
         step = state.index
         scaler = self.scaler
+        outcomes = self.outcomes
+        sync = self.config.mode == "sync" or final
+        # Decided at once and needed by nothing else when clean (Note [a clean read is decided without
+        # a Read]): a sync read no consumer walks, after a recorded forward (else the hooks' check
+        # needs the rows), on one process (else another rank's incident may be the one to report).
+        lean = (sync and not outcomes.rows_wanted and (self.hooks.recorded_forward or not self.activations)
+                and self.reading.in_flight is None and not distributed.active())
         copy = self.reading.gather(
             step, hooks=self.hooks, tensors=self.tensors, traced=self.traced, grads=include_grads and self.grads,
             explained=self.activation_grads and self._higher_order_step != step, scalars=include_grads,
             scale=getattr(scaler, "_scale", None) if scaler is not None else None, found_inf=found_inf,
             handled=not before_update and scaler is not None and state.attempted and state.applied is False
-            and not final, final=final, non_blocking=self.config.mode == "async" and not final, steplog=self.steplog,
-            rows_wanted=self.outcomes.rows_wanted)
+            and not final, final=final, non_blocking=not sync, steplog=self.steplog, rows_wanted=outcomes.rows_wanted,
+            lean=lean)
+        if type(copy) is Clean:
+            self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
+            self.tensors.note_clean_read(step, copy.grad_names)
+            if copy.extras:
+                outcomes.take_extras(step, copy.extras)
+            return
         # The earlier read first: its records were made first (async mode decodes a read late).
-        previous, copy = self.reading.swap_in_flight(copy, keep=self.config.mode == "async" and not final)
+        previous, copy = self.reading.swap_in_flight(copy, keep=not sync)
         error = None
         if previous is not None:
             try:
@@ -595,11 +609,19 @@ class Monitor(Results):
 
     def _decode(self, copy: Copy, raise_incident: Optional[bool] = True) -> None:
         """A landed read, checked for hooks that never ran, then given to :class:`Outcomes`
-        (``raise_incident`` False warns, None records silently)."""
+        (``raise_incident`` False warns, None records silently). A clean read that nothing walks
+        is decided without a :class:`Read` (Note [a clean read is decided without a Read])."""
+        copy.wait()
+        outcomes = self.outcomes
+        if (copy.clean and not outcomes.rows_wanted and (copy.recorded_forward or not self.activations)
+                and outcomes.decide_clean(copy.step, copy.extras)):
+            self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
+            self.tensors.note_read(copy.step, copy.slots, copy.grad_start, copy.bad)
+            return
         read = Read.land(copy, self.traced, link_compiled_weights=self.compiled_grads or self.traced.grad_hooks)
         if read.training:
             self._check_hooks_ran(read)
-            self.tensors.note_read(read)
+            self.tensors.note_read(read.step, read.slots, read.grad_start, read.bad)
         self.outcomes.decide(read, raise_incident)
 
     def _check_hooks_ran(self, read: Read) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from nanscan.guard import attach_note
+from nanscan.monitor import distributed
 from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.consumers import tell
 from nanscan.monitor.findings import Findings
@@ -54,8 +55,8 @@ class Outcomes:
 
     def decide(self, read: Read, raise_incident: Optional[bool]) -> None:
         """Everything a read leads to; ``raise_incident`` False warns, None records silently."""
-        if read.extras:
-            self.take_extras(read)
+        if read.extras and self.take_extras(read.step, read.extras):
+            read.handled = True  # the fused kernel skipped the update
         found = self.findings.judge(read)
         if self.consumers:
             tell(self.consumers, lambda consumer: consumer.observe(read))
@@ -68,11 +69,24 @@ class Outcomes:
         self.findings.add(found)
         self._act_on(read, report, found, raise_incident)
 
-    def take_extras(self, read: Read) -> None:
-        """The scalars read with the records: the clip norm and loss scale (step log, ledger), and a
-        fused-AMP optimizer's ``found_inf`` (the update was skipped: AMP handled the step)."""
-        step, steplog = read.step, self.steplog
-        for what, value in read.extras.items():
+    def decide_clean(self, step: int, extras: dict) -> bool:
+        """Everything a clean training read of ``step`` that no consumer walks leads to: its scalars
+        (``extras``) taken (Note [a clean read is decided without a Read]); False, having done nothing,
+        where the read must be decided whole -- across ranks, another rank's incident may be the one
+        this read reports."""
+        if distributed.active():
+            return False
+        if extras:
+            self.take_extras(step, extras)
+        return True
+
+    def take_extras(self, step: int, extras: dict) -> bool:
+        """The scalars read with the records of ``step``: the clip norm and loss scale (step log,
+        ledger), and a fused-AMP optimizer's ``found_inf``; True when that says the update was skipped
+        (AMP handled the step)."""
+        steplog = self.steplog
+        skipped = False
+        for what, value in extras.items():
             if what == "clip_norm":
                 if steplog is not None:
                     steplog.clip_norm(step, value)
@@ -82,12 +96,13 @@ class Outcomes:
                     steplog.scale(step, value)
             elif what == "found_inf":
                 applied = value == 0
-                read.handled = read.handled or not applied  # the fused kernel skipped the update
+                skipped = skipped or not applied
                 if self.ledger.decide(step, applied):  # async: the step already ended
                     if steplog is not None:
                         steplog.decided(step, "applied" if applied else "skipped")
                 else:
                     self.fused_applied[step] = applied
+        return skipped
 
     def _act_on(self, read: Read, report, found: list, raise_incident: Optional[bool]) -> None:
         """The policy for a reported incident: the bundle (once), the log, then raise, warn or only

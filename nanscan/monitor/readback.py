@@ -20,6 +20,20 @@ On the CPU the rows are on the host already: such a read is decided where they l
 its offset), without stacking them into one tensor first -- the stack is made only when a row is
 asked for. So a clean read's host work is a fixed number of Python calls and torch ops whatever the
 number of records (``benchmarks/read_cost.py``); what grows with them is C++ loops.
+Note [a clean read is decided without a Read]: most reads are clean, and a clean read that no
+consumer walks leads to nothing but a little bookkeeping -- which parameter gradients were read and
+that the forward was finite (``ModelTensors.note_clean_read``, for the records made after the
+update), the read's scalars into the ledger (``Outcomes.take_extras``). So the slots of its rows,
+the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings are made only for a read
+that needs them. A sync read whose records and scalars lie on the CPU is tested in its blocks
+before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`); a read that lands clean
+(a device read's count, an async read a read later) is bookkept from its :class:`Copy`
+(``Copy.clean``) without a ``Read``. Not decided so, and so decided whole as before: a read with
+compiled rows (they are placed among the eager ones), one after a step whose forward hooks did not
+run (the monitor's check of that needs the rows), an eval forward's, and any read while
+``torch.distributed`` runs more than one rank (the ranks agree on the incident to report, and
+another rank's may be this read's). The A/B, and what it costs: ``benchmarks/read_cost.py``.
+
 ``DEVICE_DECISION`` picks the path: ``"cuda"`` (default) -- on the device for rows on a GPU, in
 blocks for rows on the CPU --, ``"always"`` (the tests: the device path run on CPU rows), ``"never"``
 (every read stacked and copied whole: the path before this note, kept as the A/B baseline).
@@ -66,6 +80,31 @@ _EXTENSION = _ops.monitor_extension()
 _nonfinite_rows = _EXTENSION.nonfinite_rows if _EXTENSION is not None else None
 
 
+class Clean:
+    """A training read decided clean where its records lie, before any slot, :class:`Copy` or
+    :class:`~nanscan.monitor.read.Read` was made of it (Note [a clean read is decided without a
+    Read]): what the monitor keeps of it -- the ``step``, the names of the parameter gradients read
+    (``grad_names``, None when they were not) and the read's scalars as floats (``extras``)."""
+
+    __slots__ = ("step", "grad_names", "extras")
+
+    def __init__(self, step: int, grad_names, extras: dict):
+        self.step, self.grad_names, self.extras = step, grad_names, extras
+
+    @classmethod
+    def of(cls, step: int, blocks: list, extras: list, grad_names) -> Optional["Clean"]:
+        """The read of ``blocks`` (``[k, RECORD_SIZE]`` records) and ``extras`` (``(name,
+        one-element tensor)``) as a :class:`Clean`, or None: a record holds a NaN / Inf, or the
+        records or scalars do not all lie on the CPU (a device read is decided on its device:
+        :meth:`Copy.start`)."""
+        if not _decided_in_blocks(blocks, extras):
+            return None
+        for block in blocks:
+            if _nonfinite_rows(block, block.shape[0]):
+                return None
+        return cls(step, grad_names, {name: float(e) for name, e in extras} if extras else {})
+
+
 class Copy:
     """One read in flight (``start``) or landed (``wait``)."""
 
@@ -97,6 +136,13 @@ class Copy:
         # is asked for), and the scalars as tensors.
         self.blocks: Optional[list] = None
         self.extra_tensors: tuple = ()
+        self.landed = False
+
+    @property
+    def clean(self) -> bool:
+        """Landed, a training read (not an eval forward's), with nothing non-finite and no compiled
+        rows: nothing in it to attribute or to place (Note [a clean read is decided without a Read])."""
+        return self.landed and not self.bad and self.traced is None and not self.eval
 
     @property
     def lands(self) -> bool:
@@ -154,7 +200,11 @@ class Copy:
         return copy
 
     def wait(self) -> None:
-        """Land the copy (the one host sync of the read) and find the non-finite rows."""
+        """Land the copy (the one host sync of the read) and find the non-finite rows (once: a landed
+        copy is left as it is)."""
+        if self.landed:
+            return
+        self.landed = True
         if self.event is not None:
             self.event.synchronize()
         if self.blocks is not None:  # on the CPU, decided where the rows lie

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from nanscan.monitor.readback import Copy
+from nanscan.monitor.readback import Clean, Copy
 from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
 
 __all__ = ["Reading"]
@@ -76,42 +76,30 @@ class Reading:
         self.clip_norms.append((local() if callable(local) else total_norm).detach())
 
     def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, scalars: bool, scale,
-               found_inf, handled: bool, final: bool, non_blocking: bool, steplog, rows_wanted: bool = True) -> Copy:
+               found_inf, handled: bool, final: bool, non_blocking: bool, steplog, rows_wanted: bool = True,
+               lean: bool = False):
         """Start the copy of a training read of ``step``: everything recorded since the last read
         (see the module docstring). ``grads``: the parameter gradients are read too (``explained``:
         with their inputs, see :meth:`ModelTensors.grad_block`); ``scalars``: the step's loss scale
         (``scale``: GradScaler's scale tensor, or None) and clip norm ride along (not in what close
         reads of a step that ended already); so does ``found_inf``; ``handled``: GradScaler skipped
         the update; ``rows_wanted`` False: no consumer needs a clean read's rows (Note [a clean read
-        comes back as one number] in :mod:`~nanscan.monitor.readback`)."""
+        comes back as one number] in :mod:`~nanscan.monitor.readback`). ``lean``: a read that is
+        decided now and that nothing else needs if it is clean; it comes back as a
+        :class:`~nanscan.monitor.readback.Clean` when it is (Note [a clean read is decided without
+        a Read])."""
         slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
-        marks = self.window.taken_marks()  # (entry, host stamp count) where the count moved
-        marks = _pairs(marks) if marks else []
-        if self.grad_sink is not None:  # the gradients of module outputs, from the C++ tap
-            records, meta = self.grad_sink.take()
-            n = len(meta)
-            if n:
-                block = GradBlock(step, slots, meta)
-                block.start = len(slots)
-                grad_marks = self.grad_sink.taken_marks()
-                if grad_marks:
-                    marks += [(block.start + k, count) for k, count in _pairs(grad_marks)]
-                if eager_rows is not None:
-                    eager_rows.rows.set_grads(meta, block.start)
-                slots.extend(itertools.repeat(block, n))  # (the list take() made: no copy of it)
-                blocks.extend(records)
+        sink = self.grad_sink.take() if self.grad_sink is not None else None  # (records, meta): the C++ tap
+        if sink is not None and len(sink[1]):
+            blocks.extend(sink[0])
         self.generation += 1
         if self.grad_sink is not None:
             self.grad_sink.generation = self.generation
         recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
-        grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
-        if grads and tensors.named_params:
-            found = tensors.grad_block(step, eager_rows, explained)
-            if found is not None:
-                rows, block = found
-                block.start = grad_start = len(slots)
-                blocks.append(rows)
-                slots.extend(itertools.repeat(block, len(block.names)))
+        # (records only: their Block is made below, when the read is decoded)
+        param_grads = tensors.grad_records() if grads and tensors.named_params else None
+        if param_grads is not None:
+            blocks.append(param_grads[0])
         hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
         extras = []  # (what, tensor): read with the records, in the same copy
         if isinstance(scale, torch.Tensor) and not final and scalars:
@@ -128,6 +116,29 @@ class Reading:
             extras.append(("clip_norm", total))
         # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
         used = traced.used
+        if lean and not used:
+            clean = Clean.of(step, blocks, extras, param_grads[1] if param_grads is not None else None)
+            if clean is not None:
+                return clean
+        # The slots of the rows, in the order of the blocks: the window's, the gradients of module
+        # outputs, the parameter gradients.
+        marks = self.window.taken_marks()  # (entry, host stamp count) where the count moved
+        marks = _pairs(marks) if marks else []
+        if sink is not None and len(sink[1]):
+            meta = sink[1]
+            block = GradBlock(step, slots, meta)
+            block.start = len(slots)
+            grad_marks = self.grad_sink.taken_marks()
+            if grad_marks:
+                marks += [(block.start + k, count) for k, count in _pairs(grad_marks)]
+            if eager_rows is not None:
+                eager_rows.rows.set_grads(meta, block.start)
+            slots.extend(itertools.repeat(block, len(meta)))  # (the list take() made: no copy of it)
+        grad_start = None  # where the parameter gradients start: read last, produced after compiled rows
+        if param_grads is not None:
+            block = tensors.grad_block(step, param_grads, eager_rows, explained)
+            block.start = grad_start = len(slots)
+            slots.extend(itertools.repeat(block, len(block.names)))
         copy = Copy.start(blocks, slots, extras, traced.window() if used else None, handled=handled, step=step,
                           non_blocking=non_blocking, window_rows=len(traced.rows) if used else 0,
                           rows_wanted=rows_wanted)

@@ -9,6 +9,8 @@ parameters and buffers recorded after the update.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from nanscan import _ops
@@ -161,14 +163,11 @@ class ModelTensors:
                         Block(step, "update", "buffer", [n for n, _, _ in self.named_buffers], tensors,
                               [o for _, _, o in self.named_buffers], input_bad=input_bad), len(tensors))
 
-    def grad_block(self, step: int, rows, explained: bool):
-        """Records and a :class:`Block` of the parameter gradients as they are now (final:
-        accumulated, and unscaled if ``scaler.unscale_`` ran), or None. A gradient's inputs: the
-        gradients of its module's outputs and the module's forward inputs in this window (``rows``:
-        the window's hook records, or None) -- when ``explained``: without the gradients of module
-        outputs (or past a ``create_graph=True`` backward) the gradient a weight received is
-        unknown, so it gets no inputs and "produced" is None rather than judged from the forward
-        inputs alone."""
+    def grad_records(self):
+        """The parameter gradients as they are now (final: accumulated, and unscaled if
+        ``scaler.unscale_`` ran): ``(records, names, owners, grads)`` of the parameters that have one,
+        or None. (The records only: :meth:`grad_block` makes their rows' Block, when a read needs
+        its rows.)"""
         names, owners = self.param_names, self.param_owners
         sparse = None
         if self.param_set is not None:  # (C++: no Python per parameter)
@@ -191,28 +190,53 @@ class ModelTensors:
         if records is None:
             grads = distributed.local_shards(grads)
             records = self.summarize_many(grads)
+        return records, names, owners, grads
+
+    def grad_names(self, names) -> frozenset:
+        """The names of the gradients read (``names``, from :meth:`grad_records`) as a set."""
+        return self.all_param_names if names is self.param_names else frozenset(names)
+
+    def grad_block(self, step: int, taken: tuple, rows, explained: bool) -> Block:
+        """The :class:`Block` of the parameter gradients ``taken`` by :meth:`grad_records`. A
+        gradient's inputs: the gradients of its module's outputs and the module's forward inputs in
+        this window (``rows``: the window's hook records, or None) -- when ``explained``: without
+        the gradients of module outputs (or past a ``create_graph=True`` backward) the gradient a
+        weight received is unknown, so it gets no inputs and "produced" is None rather than judged
+        from the forward inputs alone."""
+        _, names, owners, grads = taken
 
         def inputs(k):  # (asked only when a gradient is decoded as non-finite)
             owner = owners[k]
             return () if owner is None or rows is None else rows.rows.weight_inputs(owner.index)
 
-        return records, Block(step, "backward", "grad", names, grads, owners,
-                              inputs=inputs if explained else None, param=True)
+        return Block(step, "backward", "grad", names, grads, owners, inputs=inputs if explained else None, param=True)
 
-    def note_read(self, read) -> None:
-        """What later windows need of a landed Read: which parameters had a gradient read (and which of
-        those were non-finite) for the update records, and whether the forward was finite for the
-        buffer records. Kept for the last few steps."""
-        slots, bad, step, grad_start = read.slots, read.bad, read.step, read.grad_start
+    def note_read(self, step: int, slots: list, grad_start: Optional[int], bad: set) -> None:
+        """What later windows need of a landed training read of ``step`` (its ``slots``, the parameter
+        gradients' block from ``grad_start`` if they were read, the non-finite rows ``bad``): which
+        parameters had a gradient read (and which of those were non-finite) for the update records,
+        and whether the forward was finite for the buffer records. Kept for the last few steps."""
         if grad_start is not None:
             s = slots[grad_start]
-            names = self.all_param_names if s.names is self.param_names else frozenset(s.names)
             bad_names = {s.names[i - s.start] for i in bad if s.start <= i < s.start + len(s.names)} if bad else set()
-            self.grads_read[s.step] = (names, bad_names)
+            self.grads_read[s.step] = (self.grad_names(s.names), bad_names)
         self.forward_bad[step] = bool(bad) and any(s.phase == "forward" and s.candidate
                                                    for s in (at(slots, i) for i in bad))
-        for old in [k for k in self.grads_read if k < step - 2]:
-            del self.grads_read[old]
-        for old in [k for k in self.forward_bad if k < step - 2]:
-            del self.forward_bad[old]
+        self._forget_before(step)
+
+    def note_clean_read(self, step: int, grad_names) -> None:
+        """:meth:`note_read` of a training read of ``step`` with nothing non-finite, whose parameter
+        gradients ``grad_names`` (from :meth:`grad_records`; None: not read) were read."""
+        if grad_names is not None:
+            self.grads_read[step] = (self.grad_names(grad_names), set())
+        self.forward_bad[step] = False
+        self._forget_before(step)
+
+    def _forget_before(self, step: int) -> None:
+        """Steps before the last three are forgotten (looked for once more than six are kept: a
+        read adds one of each)."""
+        for kept in (self.grads_read, self.forward_bad):
+            if len(kept) > 6:
+                for old in [k for k in kept if k < step - 2]:
+                    del kept[old]
 
