@@ -36,6 +36,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 namespace nanscan {
@@ -58,6 +59,63 @@ inline torch::autograd::AutogradMeta* autograd_meta_of(const at::TensorBase& t) 
 inline bool is_view(const at::TensorBase& t) {
   const auto* meta = autograd_meta_of(t);
   return meta != nullptr && meta->is_view_;
+}
+
+inline int64_t bytes_of(const at::TensorBase& t) {
+  return static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
+}
+
+// Note [a batch bounded by what only it keeps alive]: a batch (the read window's queued tensors,
+// the gradient sink's pending gradients) keeps its tensors alive until it is summarized; what that
+// costs is the memory of the tensors nothing else holds. In a training forward almost every module
+// output is held anyway -- saved by autograd for the backward, or the next module's input --, so
+// counting every queued byte against the bound cut a transformer's forward into a batch every block
+// or two (a dispatcher call and its launches each, on a device) for memory that was never extra.
+// So when the queued bytes reach the bound, the bytes held by the batch alone are counted: the
+// batch is summarized when those reach the bound, and otherwise the count restarts from them. What
+// the batch alone keeps alive stays below about twice the bound (it grows by at most the bound
+// between two counts), except where tensors it holds are let go by their other owners in between (a
+// gradient the backward has consumed): those are counted at the next count.
+//
+// Held by the batch alone: no other owner of its TensorImpl or its storage. A tensor's Python
+// object owns its TensorImpl and, while C++ holds it too, is kept alive by it (Note [PyObject
+// preservation for Tensor and Storages] in c10/util/intrusive_ptr.h): a TensorImpl with a Python
+// object whose only reference is that keep-alive counts it as one owner more. Where the Python
+// object's count cannot be read (no GIL: the backward's threads), such a tensor counts as held by
+// the batch alone -- a batch summarized early, never memory kept unbounded. (A queued tensor whose
+// storage only another queued tensor shares counts as held elsewhere.)
+template <typename Slot, typename = void>
+struct slot_loads_pyobj : std::false_type {};
+template <typename Slot>
+struct slot_loads_pyobj<Slot, std::void_t<decltype(std::declval<const Slot&>().load_pyobj())>> : std::true_type {};
+
+// The owners of t's TensorImpl other than its own Python object's keep-alive reference: 1 when
+// only the caller holds it. `gil`: the Python object's reference count may be read.
+inline uint32_t owners_of(const at::Tensor& t, bool gil) {
+  const uint32_t owners = static_cast<uint32_t>(t.use_count());
+  using Slot = std::remove_cv_t<std::remove_pointer_t<decltype(t.unsafeGetTensorImpl()->pyobj_slot())>>;
+  if constexpr (slot_loads_pyobj<Slot>::value) {
+    PyObject* obj = t.unsafeGetTensorImpl()->pyobj_slot()->load_pyobj();
+    if (obj != nullptr && owners == 2 && (!gil || Py_REFCNT(obj) == 1)) return 1;
+  }
+  return owners;
+}
+
+inline int64_t bytes_held_alone(const std::vector<at::Tensor>& queued, bool gil) {
+  int64_t alone = 0;
+  for (const at::Tensor& t : queued) {
+    if (owners_of(t, gil) > 1 || (t.has_storage() && t.storage().use_count() > 1)) continue;
+    alone += bytes_of(t);
+  }
+  return alone;
+}
+
+// Whether a batch at `bytes` queued bytes must be summarized now for the bound (Note [a batch
+// bounded by what only it keeps alive]); when not, `bytes` becomes what it alone holds.
+inline bool over_bound(const std::vector<at::Tensor>& queued, int64_t& bytes, int64_t bound, bool gil) {
+  if (bytes < bound) return false;
+  bytes = bytes_held_alone(queued, gil);
+  return bytes >= bound;
 }
 
 // csrc/cpu/summarize.cpp: the record of one CPU tensor, written to out[0:RECORD_SIZE] -- the code
@@ -301,9 +359,12 @@ class GradSink {
     pending_index_.push_back(index);
     pending_.push_back(grad);
     pending_version_.push_back(version_of(grad));
-    pending_bytes_ += static_cast<int64_t>(grad.numel()) * static_cast<int64_t>(grad.element_size());
-    // Bounded: at most `batch` gradients or `batch_bytes` of them are kept alive here.
-    if (static_cast<int64_t>(pending_.size()) >= batch_ || pending_bytes_ >= batch_bytes_) flush_pending();
+    pending_bytes_ += bytes_of(grad);
+    // Bounded: at most `batch` gradients, and about `batch_bytes` kept alive by this batch alone.
+    if (static_cast<int64_t>(pending_.size()) >= batch_ ||
+        over_bound(pending_, pending_bytes_, batch_bytes_, PyGILState_Check() == 1)) {
+      flush_pending();
+    }
   }
 
   int64_t size() {

@@ -184,8 +184,12 @@ class Window {
       return entry;
     }
     versions_.push_back(version_of(t));
-    bytes_ += static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size());
-    if (static_cast<int64_t>(queued_.size()) >= batch_ || bytes_ >= batch_bytes_) flush();
+    bytes_ += bytes_of(t);
+    // (Note [a batch bounded by what only it keeps alive], grad_sink.h)
+    if (static_cast<int64_t>(queued_.size()) >= batch_ ||
+        over_bound(queued_, bytes_, batch_bytes_, PyGILState_Check() == 1)) {
+      flush();
+    }
     return entry;
   }
 

@@ -13,7 +13,8 @@ Why batches: one ``summarize`` launch costs a few microseconds of host time what
 size, and the monitor records two or three tensors per module per step; ``summarize_many`` over a
 batch costs a fraction of that per tensor. A tensor is therefore kept (with its version counter)
 until the batch is summarized: at the end of the forward, at a read, before a module that works in
-place, or when the batch is full (``BATCH`` tensors or ``BATCH_BYTES``: bounded memory).
+place, or when the batch is full (``BATCH`` tensors, or ``BATCH_BYTES`` that only the batch keeps
+alive: bounded memory).
 
 Why that is safe: a tensor changed in place between its hook and the batch would be summarized
 with its later value. Its version counter says so; the slot is then marked ``stale`` (nanscan
@@ -31,7 +32,10 @@ import math
 
 from nanscan import _ops
 
-BATCH = 64
+# A batch is summarized at BATCH tensors, or when what it alone keeps alive reaches BATCH_BYTES (Note
+# [a batch bounded by what only it keeps alive] in csrc/monitor/grad_sink.h): a training forward's
+# outputs, held by autograd anyway, make one batch up to BATCH.
+BATCH = 1024
 BATCH_BYTES = 64 << 20
 
 
