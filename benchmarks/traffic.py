@@ -100,6 +100,7 @@ import nanscan
 from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Clean, Copy
 from nanscan.monitor.slots import BATCH_INPUT, BODY, MODEL_LOSS, OUTPUT, Block, EagerRows, GradBlock
+from nanscan.monitor.tensors import ModelTensors
 
 H200_BANDWIDTH = 4.3e12  # B/s: the H200's measured device copy bandwidth
 KINDS = ("activations", "activation grads", "parameters", "parameter grads", "buffers", "optimizer state", "loss",
@@ -183,19 +184,45 @@ class OpCalls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list = []
+        self._kernels_for = None
+
+    def __enter__(self):
+        # A Python backend (``backend="reference"``) is no op: its batches are noted where the
+        # monitor looks its kernels up (ModelTensors.kernels_for, asked at every call).
+        self._kernels_for = kernels_for = ModelTensors.kernels_for
+        note = self._note
+
+        def noting_kernels_for(tensors, device):
+            one, many = kernels_for(tensors, device)
+            if isinstance(many, torch._ops.OpOverload):
+                return one, many
+
+            def noted(xs):
+                note("summarize_many", list(xs))
+                return many(xs)
+
+            return one, noted
+
+        ModelTensors.kernels_for = noting_kernels_for
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ModelTensors.kernels_for = self._kernels_for
+        return super().__exit__(*exc)
+
+    def _note(self, op: str, xs: list) -> None:
+        groups, strided, launches = launches_implied(op, xs)
+        dtypes: dict = {}
+        for t in xs:
+            name = str(t.dtype).replace("torch.", "")
+            dtypes[name] = dtypes.get(name, 0) + 1
+        self.calls.append({"op": op, "tensors": len(xs), "bytes": sum(nbytes(t.dtype, t.shape) for t in xs),
+                           "dtypes": dtypes, "groups": groups, "non_contiguous": strided, "launches_implied": launches})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "nanscan" and func._opname in SUMMARY_OPS:
-            xs = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            groups, strided, launches = launches_implied(func._opname, list(xs))
-            dtypes: dict = {}
-            for t in xs:
-                name = str(t.dtype).replace("torch.", "")
-                dtypes[name] = dtypes.get(name, 0) + 1
-            self.calls.append({"op": func._opname, "tensors": len(xs),
-                               "bytes": sum(nbytes(t.dtype, t.shape) for t in xs), "dtypes": dtypes,
-                               "groups": groups, "non_contiguous": strided, "launches_implied": launches})
+            self._note(func._opname, list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]])
         return func(*args, **kwargs)
 
 
@@ -417,15 +444,17 @@ def time_added(model, opt, step, *, device, watch_options, rounds, steps, warmup
 
 
 def measure(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, device="cpu", autocast=False,
-            mode="sync", optimizer_state=False, rounds=7, steps=3, warmup=3) -> dict:
+            mode="sync", optimizer_state=False, rounds=7, steps=3, warmup=3, backend=None) -> dict:
     """The whole account of one configuration: (a) -- (c) from one steady-state watched step
-    (after ``warmup`` watched steps), (d) from ``rounds`` interleaved rounds (none when 0)."""
+    (after ``warmup`` watched steps), (d) from ``rounds`` interleaved rounds (none when 0).
+    ``backend``: the kernels ``watch`` is given (None: the default; ``"reference"`` on the CPU runs
+    the batches a device runs -- every record through an op call -- so their calls are counted)."""
     model, opt, idx = make_gpt(layers=layers, d=d, heads=heads, vocab=vocab, seq=seq, batch=batch, device=device)
 
     def step():
         return gpt_step(model, opt, idx, autocast)
 
-    watch_options = {"mode": mode, "optimizer_state": optimizer_state}
+    watch_options = {"mode": mode, "optimizer_state": optimizer_state, "backend": backend}
     cuda = torch.device(device).type == "cuda"
     step()  # (the optimizer's state exists from here on, as in a running loop)
     unwatched = {}
@@ -443,7 +472,8 @@ def measure(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, device="c
     result = {
         "config": {"model": "GPT", "layers": layers, "d": d, "heads": heads, "vocab": vocab, "seq": seq,
                    "batch": batch, "device": str(device), "autocast": "bf16" if autocast else "none", "mode": mode,
-                   "optimizer_state": optimizer_state, "parameters": sum(p.numel() for p in model.parameters()),
+                   "optimizer_state": optimizer_state, "backend": backend or "default",
+                   "parameters": sum(p.numel() for p in model.parameters()),
                    "threads": torch.get_num_threads(), "torch": torch.__version__},
         "account": account,
     }
@@ -542,6 +572,8 @@ def main(argv=None) -> int:
                         help="fp32, bf16 autocast, or both side by side (default)")
     parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument("--optimizer-state", action="store_true", help="watch(..., optimizer_state=True)")
+    parser.add_argument("--backend", choices=nanscan.BACKENDS, default=None,
+                        help="watch(..., backend=...); reference on the CPU batches every record as a device does")
     parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH,
                         help=f"bytes per second for the time column (default {H200_BANDWIDTH:g}: the H200's copy)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (0: no timing)")
@@ -560,7 +592,8 @@ def main(argv=None) -> int:
     try:
         results = [measure(layers=args.layers, d=args.d, heads=args.heads, vocab=args.vocab, seq=args.seq,
                            batch=args.batch, device=args.device, autocast=autocast, mode=args.mode,
-                           optimizer_state=args.optimizer_state, rounds=args.rounds, steps=args.steps)
+                           optimizer_state=args.optimizer_state, rounds=args.rounds, steps=args.steps,
+                           backend=args.backend)
                    for autocast in {"none": (False,), "bf16": (True,), "both": (False, True)}[args.autocast]]
     finally:
         torch.set_num_threads(before)

@@ -8,6 +8,9 @@ from torch import nn
 
 import nanscan
 from benchmarks import traffic
+from nanscan.monitor.tensors import ModelTensors
+
+kernels_for = ModelTensors.kernels_for
 
 BATCH = 5
 
@@ -86,6 +89,21 @@ def test_the_op_calls_are_the_parameter_set_and_the_buffers_on_cpu():
     assert account["op_tensors"] == 14
     assert account["rows_without_op_call"] == 34 - 14 == sum(
         kinds[k]["records"] for k in traffic.KINDS if k not in traffic.OP_KINDS_ON_CPU)
+
+
+def test_with_the_reference_backend_every_row_is_in_a_batch_and_a_forward_is_one():
+    """The reference backend on the CPU batches every record as a device does (nothing is summarized
+    on arrival): its calls are noted where the monitor looks its kernels up. The forward's outputs,
+    held by autograd, are one batch (Note [a batch bounded by what only it keeps alive])."""
+    model, opt, step = tiny()
+    account = steady_account(step, model, opt, optimizer_state=True, backend="reference")
+    assert account["rows_without_op_call"] == 0 and account["op_tensors"] == account["records"] == 34
+    # the forward first (the batch input and the 3 outputs: one batch), then the loss (recorded at
+    # its backward), the gradients of the outputs, the parameter gradients, the parameters, the
+    # optimizer state and the buffers
+    tensors = [c["tensors"] for c in account["calls"]]
+    assert tensors[0] == 4 and sorted(tensors) == [1, 2, 3, 4, 6, 6, 12]
+    assert ModelTensors.kernels_for is kernels_for  # (the wrapper is removed after the step)
 
 
 def test_one_sync_per_checked_step_in_sync_mode_and_none_when_unchecked():
