@@ -257,3 +257,24 @@ def test_a_clean_read_makes_as_many_python_calls_for_ten_times_the_records(where
     large = read_cost.run_reads(40, where, 3, count_calls=True)
     assert min(large["records"]) >= 9 * max(small["records"])
     assert len(set(small["calls"])) == 1 and small["calls"] == large["calls"]
+
+
+def test_an_eval_forwards_clean_read_makes_no_read_and_a_failing_one_still_reports(monkeypatch):
+    from nanscan.monitor.read import Read
+
+    landed = []
+    land = Read.land.__func__
+    monkeypatch.setattr(Read, "land", classmethod(lambda cls, copy, *a, **k: (landed.append(copy.eval),
+                                                                              land(cls, copy, *a, **k))[1]))
+    model = deep(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanscan.watch(model, opt, on_nonfinite="record") as mon:
+        model.eval()
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(4, 8))
+            assert landed == [] and mon.incidents == []
+            model[1][0].weight[0, 0] = NAN
+            model(torch.randn(4, 8))
+    assert landed and all(landed)  # (the failing eval forward's read, decoded whole)
+    assert (mon.incident.phase, mon.incident.name) == ("eval", "1.0")

@@ -613,11 +613,13 @@ class Monitor(Results):
         is decided without a :class:`Read` (Note [a clean read is decided without a Read])."""
         copy.wait()
         outcomes = self.outcomes
-        if (copy.clean and not outcomes.rows_wanted and (copy.recorded_forward or not self.activations)
-                and outcomes.decide_clean(copy.step, copy.extras)):
-            self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
-            self.tensors.note_read(copy.step, copy.slots, copy.grad_start, copy.bad)
-            return
+        if copy.clean and not outcomes.rows_wanted:
+            if copy.eval:  # (an eval forward's clean read: nothing to note, judge or agree on)
+                return
+            if (copy.recorded_forward or not self.activations) and outcomes.decide_clean(copy.step, copy.extras):
+                self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
+                self.tensors.note_read(copy.step, copy.slots, copy.grad_start, copy.bad)
+                return
         read = Read.land(copy, self.traced, link_compiled_weights=self.compiled_grads or self.traced.grad_hooks)
         if read.training:
             self._check_hooks_ran(read)

@@ -28,11 +28,12 @@ the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings are mad
 that needs them. A sync read whose records and scalars lie on the CPU is tested in its blocks
 before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`); a read that lands clean
 (a device read's count, an async read a read later) is bookkept from its :class:`Copy`
-(``Copy.clean``) without a ``Read``. Not decided so, and so decided whole as before: a read with
-compiled rows (they are placed among the eager ones), one after a step whose forward hooks did not
-run (the monitor's check of that needs the rows), an eval forward's, and any read while
-``torch.distributed`` runs more than one rank (the ranks agree on the incident to report, and
-another rank's may be this read's). The A/B, and what it costs: ``benchmarks/read_cost.py``.
+(``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
+decided so, and so decided whole as before: a read with compiled rows (they are placed among the
+eager ones), one after a step whose forward hooks did not run (the monitor's check of that needs
+the rows), and any training read while ``torch.distributed`` runs more than one rank (the ranks
+agree on the incident to report, and another rank's may be this read's). The A/B, and what it
+costs: ``benchmarks/read_cost.py``.
 
 ``DEVICE_DECISION`` picks the path: ``"cuda"`` (default) -- on the device for rows on a GPU, in
 blocks for rows on the CPU --, ``"always"`` (the tests: the device path run on CPU rows), ``"never"``
@@ -140,9 +141,9 @@ class Copy:
 
     @property
     def clean(self) -> bool:
-        """Landed, a training read (not an eval forward's), with nothing non-finite and no compiled
-        rows: nothing in it to attribute or to place (Note [a clean read is decided without a Read])."""
-        return self.landed and not self.bad and self.traced is None and not self.eval
+        """Landed, with nothing non-finite and no compiled rows: nothing in it to attribute or to
+        place (Note [a clean read is decided without a Read])."""
+        return self.landed and not self.bad and self.traced is None
 
     @property
     def lands(self) -> bool:
