@@ -111,10 +111,11 @@ inline int64_t bytes_held_alone(const std::vector<at::Tensor>& queued, bool gil)
 }
 
 // Whether a batch at `bytes` queued bytes must be summarized now for the bound (Note [a batch
-// bounded by what only it keeps alive]); when not, `bytes` becomes what it alone holds.
-inline bool over_bound(const std::vector<at::Tensor>& queued, int64_t& bytes, int64_t bound, bool gil) {
+// bounded by what only it keeps alive]); when not, `bytes` becomes what it alone holds. (Below the
+// bound -- nearly every add -- one comparison: nothing else is asked.)
+inline bool over_bound(const std::vector<at::Tensor>& queued, int64_t& bytes, int64_t bound) {
   if (bytes < bound) return false;
-  bytes = bytes_held_alone(queued, gil);
+  bytes = bytes_held_alone(queued, PyGILState_Check() == 1);
   return bytes >= bound;
 }
 
@@ -362,7 +363,7 @@ class GradSink {
     pending_bytes_ += bytes_of(grad);
     // Bounded: at most `batch` gradients, and about `batch_bytes` kept alive by this batch alone.
     if (static_cast<int64_t>(pending_.size()) >= batch_ ||
-        over_bound(pending_, pending_bytes_, batch_bytes_, PyGILState_Check() == 1)) {
+        over_bound(pending_, pending_bytes_, batch_bytes_)) {
       flush_pending();
     }
   }

@@ -187,7 +187,7 @@ class Window {
     bytes_ += bytes_of(t);
     // (Note [a batch bounded by what only it keeps alive], grad_sink.h)
     if (static_cast<int64_t>(queued_.size()) >= batch_ ||
-        over_bound(queued_, bytes_, batch_bytes_, PyGILState_Check() == 1)) {
+        over_bound(queued_, bytes_, batch_bytes_)) {
       flush();
     }
     return entry;

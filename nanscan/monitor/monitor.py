@@ -583,10 +583,7 @@ class Monitor(Results):
             and not final, final=final, non_blocking=not sync, steplog=self.steplog, rows_wanted=outcomes.rows_wanted,
             lean=lean)
         if type(copy) is Clean:
-            self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
-            self.tensors.note_clean_read(step, copy.grad_names)
-            if copy.extras:
-                outcomes.take_extras(step, copy.extras)
+            self._decided_clean(step, copy.grad_names, copy.extras)
             return
         # The earlier read first: its records were made first (async mode decodes a read late).
         previous, copy = self.reading.swap_in_flight(copy, keep=not sync)
@@ -612,19 +609,27 @@ class Monitor(Results):
         (``raise_incident`` False warns, None records silently). A clean read that nothing walks
         is decided without a :class:`Read` (Note [a clean read is decided without a Read])."""
         copy.wait()
-        outcomes = self.outcomes
-        if copy.clean and not outcomes.rows_wanted:
+        if copy.clean and not self.outcomes.rows_wanted:
             if copy.eval:  # (an eval forward's clean read: nothing to note, judge or agree on)
                 return
-            if (copy.recorded_forward or not self.activations) and outcomes.decide_clean(copy.step, copy.extras):
-                self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
-                self.tensors.note_read(copy.step, copy.slots, copy.grad_start, copy.bad)
+            if (copy.recorded_forward or not self.activations) and not distributed.active():
+                grads = copy.slots[copy.grad_start].names if copy.grad_start is not None else None
+                self._decided_clean(copy.step, grads, copy.extras)
                 return
         read = Read.land(copy, self.traced, link_compiled_weights=self.compiled_grads or self.traced.grad_hooks)
         if read.training:
             self._check_hooks_ran(read)
             self.tensors.note_read(read.step, read.slots, read.grad_start, read.bad)
         self.outcomes.decide(read, raise_incident)
+
+    def _decided_clean(self, step: int, grad_names, extras: dict) -> None:
+        """A clean training read of ``step`` that nothing walks, after a recorded forward, on one
+        process (Note [a clean read is decided without a Read]): what later reads need of it (the
+        parameter gradients ``grad_names`` read, None if not) and its scalars ``extras``."""
+        self._unhooked_graph = False  # (what _check_hooks_ran does after a recorded forward)
+        self.tensors.note_clean_read(step, grad_names)
+        if extras:
+            self.outcomes.take_extras(step, extras)
 
     def _check_hooks_ran(self, read: Read) -> None:
         """Gradients in a step with no recorded forward mean the forward hooks did not run:

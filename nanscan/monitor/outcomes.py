@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from nanscan.guard import attach_note
-from nanscan.monitor import distributed
 from nanscan.monitor.config import WatchConfig
 from nanscan.monitor.consumers import tell
 from nanscan.monitor.findings import Findings
@@ -68,17 +67,6 @@ class Outcomes:
             return
         self.findings.add(found)
         self._act_on(read, report, found, raise_incident)
-
-    def decide_clean(self, step: int, extras: dict) -> bool:
-        """Everything a clean training read of ``step`` that no consumer walks leads to: its scalars
-        (``extras``) taken (Note [a clean read is decided without a Read]); False, having done nothing,
-        where the read must be decided whole -- across ranks, another rank's incident may be the one
-        this read reports."""
-        if distributed.active():
-            return False
-        if extras:
-            self.take_extras(step, extras)
-        return True
 
     def take_extras(self, step: int, extras: dict) -> bool:
         """The scalars read with the records of ``step``: the clip norm and loss scale (step log,

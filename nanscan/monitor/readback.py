@@ -23,9 +23,9 @@ number of records (``benchmarks/read_cost.py``); what grows with them is C++ loo
 Note [a clean read is decided without a Read]: most reads are clean, and a clean read that no
 consumer walks leads to nothing but a little bookkeeping -- which parameter gradients were read and
 that the forward was finite (``ModelTensors.note_clean_read``, for the records made after the
-update), the read's scalars into the ledger (``Outcomes.take_extras``). So the slots of its rows,
-the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings are made only for a read
-that needs them. A sync read whose records and scalars lie on the CPU is tested in its blocks
+update), the read's scalars into the ledger (``Outcomes.take_extras``): ``Monitor._decided_clean``.
+So the slots of its rows, the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings
+are made only for a read that needs them. A sync read whose records and scalars lie on the CPU is tested in its blocks
 before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`); a read that lands clean
 (a device read's count, an async read a read later) is bookkept from its :class:`Copy`
 (``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
