@@ -278,3 +278,19 @@ def test_an_eval_forwards_clean_read_makes_no_read_and_a_failing_one_still_repor
             model(torch.randn(4, 8))
     assert landed and all(landed)  # (the failing eval forward's read, decoded whole)
     assert (mon.incident.phase, mon.incident.name) == ("eval", "1.0")
+
+
+def test_nonfinite_in_blocks_counts_rows_across_blocks():
+    """The one C++ call a CPU read is decided with: the non-finite rows of its blocks numbered
+    across them in order; None when a block is not on the host; a malformed block is refused."""
+    find = readback._nonfinite_in_blocks
+    first, second = torch.zeros(3, RECORD_SIZE, dtype=torch.float64), torch.zeros(4, RECORD_SIZE, dtype=torch.float64)
+    assert find([first, second]) == [] and find([]) == []
+    first[1, 0] = 1   # a NaN count
+    second[0, 1] = 2  # +Inf
+    second[3, 2] = 1  # -Inf
+    second[2, 3] = 5  # zeros: not non-finite
+    assert find([first, second]) == [1, 3, 6]
+    assert find([first, second.to("meta")]) is None
+    with pytest.raises(RuntimeError, match="float64 host records"):
+        find([torch.zeros(2, RECORD_SIZE)])

@@ -45,6 +45,7 @@
 //       the nanscan::summarize_many op)
 //   param_grads(params) -> (grads that exist, None if all do else their indices)
 //   nonfinite_rows(host_records, n) -> the rows < n with a NaN / +Inf / -Inf count
+//   nonfinite_in_blocks(blocks) -> those rows across a read's host blocks, or None (a block elsewhere)
 //   dtype_maxima(tensors) -> float64 tensor: each tensor's dtype's largest finite value
 //   headroom_candidates(host, maxima, n, bits, fp16_cast, cast_floor) -> rows near overflow
 //   Hooks(names, module_refs, is_root, inplace, forward, eval, sink, owner)
@@ -115,6 +116,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", &TensorSet::size);
   m.def("param_grads", &param_grads, "(grads that exist, None or the indices of their parameters)");
   m.def("nonfinite_rows", &nonfinite_rows, "rows < n of host records with a NaN / Inf count");
+  m.def("nonfinite_in_blocks", &nonfinite_in_blocks, "rows of host record blocks with a NaN / Inf count, or None");
   // The row kinds, defined once (rows.h): Python reads them from here (nanscan/monitor/slots.py).
   py::dict row_kinds;
   row_kinds["OUTPUT"] = static_cast<int>(kOutput);

@@ -69,4 +69,22 @@ inline std::vector<int64_t> nonfinite_rows(const at::Tensor& host, int64_t n) {
   return out;
 }
 
+// The rows of a read's record blocks ([k, >= 3] float64 each, counted across the blocks in order)
+// holding a NaN / +Inf / -Inf count, or None where a block is not on the host (a device read is
+// decided on its device). One call a read: a Python loop over the blocks cost a call, an attribute
+// and a shape per block, most of a clean CPU read's decision beside a large model.
+inline py::object nonfinite_in_blocks(const std::vector<at::Tensor>& blocks) {
+  for (const auto& b : blocks) {
+    if (!b.device().is_cpu()) return py::none();
+  }
+  std::vector<int64_t> out;
+  int64_t start = 0;
+  for (const auto& b : blocks) {
+    const int64_t n = b.dim() == 2 ? b.size(0) : 0;  // (nonfinite_rows names what else was wrong)
+    for (int64_t i : nonfinite_rows(b, n)) out.push_back(start + i);
+    start += n;
+  }
+  return py::cast(out);
+}
+
 }  // namespace nanscan

@@ -75,10 +75,11 @@ def _decided_in_blocks(blocks: list, extras: list) -> bool:
 
 
 # Rows ``< n`` of landed records ``[k, >= RECORD_SIZE]`` with a NaN / +Inf / -Inf count: ``(host, n)
-# -> list`` (C++: one pass, no tensor op), looked up once (a read calls it per block). None without
-# the library (no monitor runs then).
+# -> list`` (C++: one pass, no tensor op); and the same across a read's blocks, in one call, or None
+# where a block is not on the host. Looked up once. None without the library (no monitor runs then).
 _EXTENSION = _ops.monitor_extension()
 _nonfinite_rows = _EXTENSION.nonfinite_rows if _EXTENSION is not None else None
+_nonfinite_in_blocks = _EXTENSION.nonfinite_in_blocks if _EXTENSION is not None else None
 
 
 class Clean:
@@ -98,11 +99,13 @@ class Clean:
         one-element tensor)``) as a :class:`Clean`, or None: a record holds a NaN / Inf, or the
         records or scalars do not all lie on the CPU (a device read is decided on its device:
         :meth:`Copy.start`)."""
-        if not _decided_in_blocks(blocks, extras):
+        if DEVICE_DECISION != "cuda":
             return None
-        for block in blocks:
-            if _nonfinite_rows(block, block.shape[0]):
+        for _, tensor in extras:
+            if not tensor.is_cpu:
                 return None
+        if _nonfinite_in_blocks(blocks) != []:  # (None: a block on a device)
+            return None
         return cls(step, grad_names, {name: float(e) for name, e in extras} if extras else {})
 
 
@@ -212,13 +215,7 @@ class Copy:
             if self.extra_names:
                 self.extras = {name: float(e) for name, e in zip(self.extra_names, self.extra_tensors)}
                 self.extra_tensors = ()
-            bad, start = set(), 0
-            for block in self.blocks:
-                found = _nonfinite_rows(block, block.shape[0])
-                if found:
-                    bad.update(start + i for i in found)
-                start += block.shape[0]
-            self.bad = bad
+            self.bad = set(_nonfinite_in_blocks(self.blocks))
             return
         if self.rows is None:
             return
