@@ -217,7 +217,8 @@ LOAD_ERROR: Optional[ExtensionError] = _load()
 
 # Note [records fused into compiled kernels]: inside a graph inductor compiles, a record written by
 # an opaque op is a second read of a tensor that a generated kernel has just written. Given the
-# reference's functional stack of full reductions (``reference._fields``) as the decomposition of
+# record as a functional stack of reductions (``kernels/fused.py``: the reference's fields, in two
+# stages for a large tensor, Note [a record in two stages]) as the decomposition of
 # ``nanscan::summarize_many`` / ``summarize``, inductor computes the record as reductions its
 # scheduler fuses into the kernel that writes the tensor (or into another kernel that reads it),
 # while the values are in registers: one loop, no re-read. Only inductor's tables get it: eager
@@ -244,10 +245,10 @@ def register_fused_records() -> bool:
         from torch._inductor import decomposition as inductor_decompositions
     except ImportError:  # pragma: no cover - a torch without inductor
         return False
-    from nanscan.kernels import reference
+    from nanscan.kernels import fused
 
-    table = {torch.ops.nanscan.summarize_many.default: reference.summarize_many,
-             torch.ops.nanscan.summarize.default: reference.summarize}
+    table = {torch.ops.nanscan.summarize_many.default: fused.summarize_many,
+             torch.ops.nanscan.summarize.default: fused.summarize}
     inductor_decompositions.decompositions.update(table)
     # Inductor's caches key a graph by its FX code and its config, not by the decomposition table:
     # a config entry tells a graph compiled with the records fused from one compiled without

@@ -240,3 +240,43 @@ def test_a_watched_compiled_model_fuses_its_records_and_names_the_same_incident_
     assert not re.search(r"nanscan\.summarize\w*\.default\(", code), "a record op was called"
     assert found["inductor"] == found["eager"]
     assert found["eager"] is not None and found["eager"][3] == "1.act", found
+
+
+def test_a_large_record_is_made_in_two_stages_fused_with_its_producer():
+    """Note [a record in two stages] (nanscan/kernels/fused.py): a tensor large enough for inductor to
+    split is reduced by rows of its leading dimensions, in the producer's own loop, then finished in
+    one small kernel (which the C++ backend runs in the producer's kernel too) -- and the record is
+    the reference's."""
+    from nanscan.kernels import fused
+
+    def f(a, b):
+        y = torch.tanh(a * b)
+        return y, torch.ops.nanscan.summarize_many([y])
+
+    a, b = torch.randn(8, 64, 256), torch.randn(8, 64, 256)
+    assert a.numel() >= fused.MIN_ELEMENTS and fused.kept_dims(a.shape) == 2
+    a[5, 17, 3] = float("nan")
+    a[6, 0, 0] = float("inf")
+    (y, records), code = compiled_code(f, a, b)
+    assert not re.search(r"nanscan\.summarize\w*\.default\(", code)
+    defined = kernels_defined(code)
+    # (The C++ backend merges the record's small kernel into the producer's loop too: one kernel.)
+    assert len(defined) == 1, f"expected the producer, its rows and its record in one kernel; got {defined}"
+    assert_record_matches(records[0], reference.summarize(y), y, "in two stages")
+    assert records[0][7].item() == (5 * 64 + 17) * 256 + 3  # first non-finite index, in logical order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_record_in_two_stages_is_the_references_field_by_field(dtype):
+    from nanscan.kernels import fused
+
+    gen = torch.Generator().manual_seed(11)
+    xs = [cast(special_values(kind, 300 * 256, gen), dtype).reshape(300, 256) for kind in VALUE_KINDS]
+    xs.append(xs[0].t())  # (strided: rows of the transposed shape)
+    fn = torch.compile(lambda *ts: torch.ops.nanscan.summarize_many(list(ts)), backend="inductor", fullgraph=True)
+    with no_caches():
+        got = fn(*xs)
+    for k, x in enumerate(xs):
+        assert fused.kept_dims(x.shape) == 1
+        assert_record_matches(got[k], reference.summarize(x), x, f"two stages, {dtype}, tensor {k}")
+        assert_record_matches(fused.summarize(x), reference.summarize(x), x, f"two stages eager, {dtype}, tensor {k}")
