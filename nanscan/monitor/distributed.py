@@ -42,24 +42,10 @@ def local_shards(tensors: list) -> list:
 
 
 _AVAILABLE = torch.distributed.is_available()  # (fixed by the build: asked once, not at every read)
-# Where the default process group is kept: asked at every read, one property where
-# ``is_initialized()`` is three calls (a function, a metaclass property, this one). A torch that
-# keeps it elsewhere is asked through ``is_initialized``.
-_WORLD = getattr(torch.distributed.distributed_c10d, "_world", None) if _AVAILABLE else None
-if _WORLD is not None and not hasattr(type(_WORLD), "default_pg"):  # pragma: no cover - another torch
-    _WORLD = None
 
 
 def active() -> bool:
-    """More than one process in the default group (asked at every read)."""
-    if not _AVAILABLE:
-        return False
-    if _WORLD is not None:
-        if _WORLD.default_pg is None:
-            return False
-    elif not torch.distributed.is_initialized():  # pragma: no cover - another torch
-        return False
-    return torch.distributed.get_world_size() > 1
+    return _AVAILABLE and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def rank() -> int:

@@ -60,16 +60,23 @@ def _decided_on_device(rows: torch.Tensor) -> bool:
     return DEVICE_DECISION == "always" or (DEVICE_DECISION == "cuda" and rows.is_cuda)
 
 
-def _decided_in_blocks(blocks: list, extras: list) -> bool:
-    """A read whose records and scalars all lie on the CPU, decided where they lie (the default).
+def _scalars_on_host(extras: list) -> bool:
+    """Reads are decided where their rows lie (the default) and the read's scalars lie on the CPU.
     (Loops, not ``all`` over generators: this runs at every read.)"""
     if DEVICE_DECISION != "cuda":
         return False
-    for block in blocks:
-        if not block.is_cpu:
-            return False
     for _, tensor in extras:
         if not tensor.is_cpu:
+            return False
+    return True
+
+
+def _decided_in_blocks(blocks: list, extras: list) -> bool:
+    """A read whose records and scalars all lie on the CPU, decided where they lie (the default)."""
+    if not _scalars_on_host(extras):
+        return False
+    for block in blocks:
+        if not block.is_cpu:
             return False
     return True
 
@@ -99,12 +106,7 @@ class Clean:
         one-element tensor)``) as a :class:`Clean`, or None: a record holds a NaN / Inf, or the
         records or scalars do not all lie on the CPU (a device read is decided on its device:
         :meth:`Copy.start`)."""
-        if DEVICE_DECISION != "cuda":
-            return None
-        for _, tensor in extras:
-            if not tensor.is_cpu:
-                return None
-        if _nonfinite_in_blocks(blocks) != []:  # (None: a block on a device)
+        if not _scalars_on_host(extras) or _nonfinite_in_blocks(blocks) != []:  # (None: a block on a device)
             return None
         return cls(step, grad_names, {name: float(e) for name, e in extras} if extras else {})
 
