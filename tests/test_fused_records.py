@@ -254,7 +254,7 @@ def test_a_large_record_is_made_in_two_stages_fused_with_its_producer():
         return y, torch.ops.nanscan.summarize_many([y])
 
     a, b = torch.randn(8, 64, 256), torch.randn(8, 64, 256)
-    assert a.numel() >= fused.MIN_ELEMENTS and fused.kept_dims(a.shape) == 2
+    assert a.numel() > fused.ONE_STAGE_MAX and fused.kept_dims(a.shape) == 2
     a[5, 17, 3] = float("nan")
     a[6, 0, 0] = float("inf")
     (y, records), code = compiled_code(f, a, b)
@@ -280,3 +280,30 @@ def test_a_record_in_two_stages_is_the_references_field_by_field(dtype):
         assert fused.kept_dims(x.shape) == 1
         assert_record_matches(got[k], reference.summarize(x), x, f"two stages, {dtype}, tensor {k}")
         assert_record_matches(fused.summarize(x), reference.summarize(x), x, f"two stages eager, {dtype}, tensor {k}")
+
+
+def test_as_lowered_for_a_gpu_a_call_of_two_large_records_adds_one_kernel():
+    """Note [a record in two stages] on a GPU's lowering, scheduled by Triton's rules (Note
+    [Triton's fusion, scheduled on the CPU] in benchmarks/compiled_traffic.py): each tensor's rows
+    are reduced in its producer's kernel, and the second stages of both records are one kernel --
+    the call adds one kernel and reads nothing again (reduced as ten full reductions, a record is
+    split by inductor into ten second stages; over [rows, 10], its second stage into two kernels)."""
+    from benchmarks import compiled_traffic as ct
+    from nanscan.kernels import fused
+
+    def f(a, b):
+        y, z = torch.tanh(a * b), torch.sigmoid(a + b)
+        return y, z, torch.ops.nanscan.summarize_many([y, z])
+
+    a, b = torch.randn(8, 128, 256), torch.randn(8, 128, 256)
+    assert fused.kept_dims(a.shape) == 2
+    a[3, 100, 7] = float("nan")
+    with no_caches(), ct.as_if_lowered_for_a_gpu(), ct.Observer(triton_schedule=True) as obs:
+        y, z, records = torch.compile(f, backend="inductor", fullgraph=True)(a, b)
+    (g,) = obs.graphs
+    tri = g["triton"]
+    assert tri["record_kernels"]["standalone"] == 1, tri
+    assert tri["record_kernels"]["fused"] >= 1 and tri["record_kernels"]["extra_bytes"] == {"fused": 0, "standalone": 0}
+    assert tri["kernel_groups"] == tri["record_kernels"]["fused"] + 1, tri  # (the producers' kernels, and one)
+    for k, t in enumerate((y, z)):
+        assert_record_matches(records[k], reference.summarize(t), t, f"GPU lowering, tensor {k}")
