@@ -11,7 +11,8 @@ export MAX_JOBS ?= 2
 # Benchmarks in quick mode: a few rounds each, enough for the ratio table, not for publication.
 QUICK_BENCH := --benchmark-min-rounds=3 --benchmark-max-time=0.5 --benchmark-warmup=off -p no:randomly
 
-.PHONY: test test-compat demo build bench bench-full info clean
+# (test-fused: the compiled monitor tests with records fused into inductor's kernels, as CI runs them)
+.PHONY: test test-fused test-compat demo build bench bench-full info clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +40,11 @@ test: build
 	$(VENV)/bin/ruff check nanscan tests benchmarks setup.py
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q benchmarks $(QUICK_BENCH) --benchmark-columns=median,iqr,rounds --benchmark-sort=name
+
+# Records fused into compiled kernels are opt-in (NANSCAN_FUSED_RECORDS=1): the compiled monitor's
+# tests again with them on, which must name the same incidents.
+test-fused: build
+	NANSCAN_FUSED_RECORDS=1 $(PY) -m pytest -q tests/test_monitor_compiled.py
 
 bench: build
 	$(PY) -m pytest -q benchmarks --benchmark-columns=median,iqr,rounds --benchmark-json=benchmarks/results/latest-cpu.json

@@ -241,7 +241,8 @@ class Observer:
                 with inductor_config.patch(cpu_backend="triton"):
                     update_scheduler(lowering)
                     lowering._nanscan_triton = {"record_kernels": record_kernels(lowering),
-                                                "kernel_groups": _kernel_groups(lowering)}
+                                                "kernel_groups": _kernel_groups(lowering),
+                                                "bytes_accessed": bytes_accessed(lowering)}
             return update_scheduler(lowering)
 
         def observed_run_node(lowering, n):
@@ -347,6 +348,7 @@ class Observer:
         g["extern_calls"] = dict(sorted(extern.items()))
         g["nanscan_calls"] = nanscan_calls
         g["scheduler_kernel_groups"] = _kernel_groups(lowering)
+        g["bytes_accessed"] = bytes_accessed(lowering)
         for record in g["record_ops"]:
             for v in record["values"]:
                 v["read_by_generated"] = v["buffer"] in generated_reads
@@ -411,6 +413,20 @@ def _kernel_groups(lowering) -> int:
 
     nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
     return sum(1 for n in nodes if not isinstance(n, (sched.NopKernelSchedulerNode, sched.ExternKernelSchedulerNode)))
+
+
+def bytes_accessed(lowering) -> int:
+    """The bytes the graph's kernels read and write, as inductor counts them for its
+    ``metrics.num_bytes_accessed`` (``GraphLowering.count_bytes``: each scheduler node's buffers
+    after fusion, extern calls included; without the runtime estimate that count also makes, which
+    needs the device) -- less nanscan's own calls: a stamp given its records reads none of the
+    tensors it names, which inductor counts as its reads."""
+    from torch._inductor import scheduler as sched
+
+    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
+    return sum(int(node.get_read_write_buffers_sizes()) for node in nodes
+               if not (isinstance(node, sched.ExternKernelSchedulerNode)
+                       and _nanscan_op(getattr(node.node, "op_overload", None))))
 
 
 def _recorded(op, args) -> tuple:
@@ -550,8 +566,10 @@ def totals(graphs: list) -> dict:
     out["extern_calls"] = dict(sorted(out["extern_calls"].items()))
     out["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(out["generated_record_bytes"].values())
     out["kernel_groups"] = sum(g.get("scheduler_kernel_groups", 0) for g in graphs)
+    out["bytes_accessed"] = sum(g.get("bytes_accessed", 0) for g in graphs)
     if graphs and all("triton" in g for g in graphs):  # (Note [Triton's fusion, scheduled on the CPU])
         tri = {"kernel_groups": sum(g["triton"]["kernel_groups"] for g in graphs),
+               "bytes_accessed": sum(g["triton"].get("bytes_accessed", 0) for g in graphs),
                **_summed_record_kernels([g["triton"]["record_kernels"] for g in graphs])}
         tri["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(tri["generated_record_bytes"].values())
         out["triton"] = tri
@@ -743,6 +761,8 @@ def table(result: dict) -> str:
         lambda r, t: " / ".join(_mib(t["generated_record_bytes"][k]) for k in ("fused", "standalone")))
     row("**MiB read for the records** (the ops' reads + the generated record kernels' extra reads)",
         lambda r, t: _mib(t["record_bytes_read"]))
+    row("MiB the graphs' kernels read and write, inductor's count (`num_bytes_accessed`, nanscan's calls apart)",
+        lambda r, t: _mib(t["bytes_accessed"]))
     if "triton" in tw and "triton" in tu:  # Note [Triton's fusion, scheduled on the CPU]
         row("*Triton's scheduler, estimated from this lowering:* generated kernels (fused scheduler nodes)",
             lambda r, t: str(t["triton"]["kernel_groups"]))
@@ -751,6 +771,8 @@ def table(result: dict) -> str:
         row("... MiB they read beyond what their kernel reads anyway: fused / standalone",
             lambda r, t: " / ".join(_mib(t["triton"]["generated_record_bytes"][k]) for k in ("fused", "standalone")))
         row("... **MiB read for the records**", lambda r, t: _mib(t["triton"]["record_bytes_read"]))
+        row("... MiB the graphs' kernels read and write, inductor's count",
+            lambda r, t: _mib(t["triton"]["bytes_accessed"]))
         row("(the C++ scheduler's generated kernels, for comparison)", lambda r, t: str(t["kernel_groups"]))
     row("... distinct tensors / MiB (a tensor read by several ops once)",
         lambda r, t: f"{t['distinct']['records']} / {_mib(t['distinct']['bytes'])}")

@@ -140,6 +140,18 @@ def test_kernels_and_extern_calls(result):
         assert 2 <= bw["kernel_calls_in_code"] <= 3, variant
 
 
+def test_inductors_byte_count(result):
+    """``bytes_accessed``: inductor's count for ``metrics.num_bytes_accessed`` (every scheduler node's
+    buffers), nanscan's calls apart. Unwatched, the forward holds at least the two addmm calls'
+    inputs and outputs and tanh's read and write; the totals are the graphs' sums."""
+    fw = graph(result, "unwatched", "forward")
+    assert fw["bytes_accessed"] >= X + H + H + H + H + Y
+    for variant in ("unwatched", "watched"):
+        graphs = result[variant]["graphs"]
+        assert result[variant]["totals"]["bytes_accessed"] == sum(g["bytes_accessed"] for g in graphs) > 0
+    assert "inductor's count" in ct.table(result)
+
+
 @pytest.fixture(scope="module")
 def fused_result():
     from nanscan import _ops
@@ -203,6 +215,9 @@ def test_triton_schedule_of_the_same_lowering(fused_result):
     assert w["triton"]["record_bytes_read"] <= w["record_bytes_read"]
     assert result["unwatched"]["totals"]["triton"]["record_kernels"] == {"fused": 0, "standalone": 0}
     assert "Triton's scheduler" in ct.table(result)
+    # the records' kernels are kernels too: inductor counts more bytes watched than unwatched
+    for sched in (lambda t: t, lambda t: t["triton"]):
+        assert sched(w)["bytes_accessed"] > sched(result["unwatched"]["totals"])["bytes_accessed"] > 0
 
 
 def test_kernel_calls_skip_the_kernels_sources():

@@ -123,12 +123,15 @@ def _first_stage(x: torch.Tensor):
     finite = torch.isfinite(vals)
     finite_vals = torch.where(finite, vals, 0)
     squares = finite_vals * finite_vals
-    index = torch.arange(n, device=vals.device).view(shape)
+    # The partials are written by the first stage and read by the second: counts a row and indices
+    # below 2**31 in 32 bits (exact) keep them at 40 bytes a row, not 60.
+    count = torch.int32 if n < 2**31 else torch.int64
+    index = torch.arange(n, dtype=count, device=vals.device).view(shape)
     partials = [
-        torch.isnan(vals).sum(rest),
-        torch.isposinf(vals).sum(rest),
-        torch.isneginf(vals).sum(rest),
-        (vals == 0).sum(rest),
+        torch.isnan(vals).sum(rest, dtype=count),
+        torch.isposinf(vals).sum(rest, dtype=count),
+        torch.isneginf(vals).sum(rest, dtype=count),
+        (vals == 0).sum(rest, dtype=count),
         torch.where(finite, vals, inf).amin(rest),
         torch.where(finite, vals, -inf).amax(rest),
         squares.sum(rest, dtype=vals.dtype),
@@ -174,7 +177,8 @@ def _second_stage(staged: list) -> torch.Tensor:
         rounded = accumulated & _mask(record_of, tuple(j for j, s in enumerate(staged) if s[2] == dtype))
         total = torch.where(rounded, total.to(dtype).to(torch.float64), total)
     record = torch.where(_mask(slot, _SUMMED), total, largest)
-    n = _select(record_of, [float(s[1]) for s in staged], torch.zeros(len(staged), 1, dtype=torch.float64, device=device))
+    zeros = torch.zeros(len(staged), 1, dtype=torch.float64, device=device)
+    n = _select(record_of, [float(s[1]) for s in staged], zeros)
     return torch.where((slot == _FIRST) & (record == n), -1.0, record)
 
 
