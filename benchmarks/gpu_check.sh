@@ -12,10 +12,11 @@
 #      Fits a 520 s deadline (check here: `bash benchmarks/gpu_check.sh --part 1 --plan`).
 #   2. At once, on the warm machine, with what is left of the device time (status: budget_left_s):
 #      command: NANSCAN_GPU_DEADLINE=<budget_left_s - 60, at most 520> bash benchmarks/gpu_check.sh --part 2
-#      timeout_s: that deadline + 40. The whole suite, file by file, 6 files at once, each test at
+#      timeout_s: that deadline + 40. The whole suite, file by file, 8 files at once, each test at
 #      most 90 s (benchmarks/gpu_tests.py: a crashing or hung test is named and the file goes on
-#      after it) after the traffic account of GPT-2-small's step (benchmarks/traffic.py), then the
-#      CUDA-graph monitor benchmark if time is left. It rebuilds first only if
+#      after it) after the traffic account of GPT-2-small's step (benchmarks/traffic.py) and the
+#      compiled step with fused records (benchmarks/compiled_traffic.py), then the CUDA-graph
+#      monitor benchmark if time is left. It rebuilds first only if
 #      the machine is a fresh one. `--plan` shows the suite's schedule against the deadline.
 #   3. give_back, then commit what came back under benchmarks/results/<date>-h200/ (p1/, p2/):
 #      every file, plus <date>-h200.md (the tables) and the numbers in benchmarks/README.md and the
@@ -30,7 +31,8 @@
 # most 8 files per part (the device tool's limit): part 1 check-1.log (every stage's output),
 # tests.log / .md, profile.json, profile-llama.json, bench-kernels.json, bench-monitor.json,
 # results.md (the tests' tests.json is removed: tests.md holds the same); part 2
-# check-2.log, tests.log / .md / .json, traffic.json, bench-cudagraphs.json, results.md.
+# check-2.log, tests.log / .md / .json, traffic.json, compiled-fused.json, bench-cudagraphs.json,
+# results.md.
 #
 #   bash benchmarks/gpu_check.sh --part 1|2 [--plan]      (OUT=... optional)
 set -uo pipefail
@@ -65,7 +67,7 @@ PART1_STAGES=(
   "table|20|2|2"
 )
 # The suite's estimate is benchmarks/gpu_tests.py's plan for SUITE_JOBS processes (its ESTIMATES).
-SUITE_JOBS=6
+SUITE_JOBS=8
 SUITE_TEST_TIMEOUT=90
 suite_estimate() {
   local est; est=$(python3 -m benchmarks.gpu_tests --plan --jobs "$SUITE_JOBS" --deadline 100000 2>/dev/null \
@@ -75,6 +77,7 @@ suite_estimate() {
 PART2_STAGES=(
   "build_if_fresh|240|60|0"
   "traffic|60|20|30"
+  "compiled_fused|150|60|90"
   "suite|520|60|$(suite_estimate)"
   "bench_cudagraphs|150|40|90"
   "table|20|2|2"
@@ -216,6 +219,15 @@ else
   run_limited traffic python3 -m benchmarks.traffic --device cuda --layers 12 --d 768 --heads 12 --vocab 50257 \
     --seq 512 --batch 8 --autocast bf16 --rounds 5 --json "$OUT/traffic.json" 2>&1 | tee -a "$LOG"
   done_stage traffic "${PIPESTATUS[0]}"
+
+  # Records fused into the compiled graph's kernels (opt-in: NANSCAN_FUSED_RECORDS=1), GPT-2-small's
+  # widths at 6 layers (two compiles must fit the stage), bf16: inductor's own byte count of the
+  # real Triton graphs and the record kernels, watched against unwatched, and the step timed
+  # interleaved (the opaque ops' compiled step is part 1's bench_monitor).
+  NANSCAN_FUSED_RECORDS=1 run_limited compiled_fused python3 -m benchmarks.compiled_traffic --device cuda --layers 6 \
+    --d 768 --heads 12 --vocab 50257 --seq 512 --batch 8 --warmup 2 --rounds 10 --steps 3 \
+    --json "$OUT/compiled-fused.json" 2>&1 | grep -v '^USDT:' | tee -a "$LOG"
+  done_stage compiled_fused "${PIPESTATUS[0]}"
 
   # The whole suite with CUDA available: each file in its own process, SUITE_JOBS at once, each
   # test at most SUITE_TEST_TIMEOUT s, ended at the stage's budget (benchmarks/gpu_tests.py).

@@ -115,6 +115,8 @@ class FileRun:
     def start(self) -> None:
         env = dict(os.environ, NANSCAN_TEST_PROGRESS=self.progress, NANSCAN_TEST_SKIP=self.skip,
                    NANSCAN_TEST_TIMEOUT=str(self.args.per_test_timeout), PYTHONUNBUFFERED="1")
+        # (the files at once share the cores: each its share of threads, not one thread per core each)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, self.args.jobs))))
         cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
                "-p", "benchmarks.pytest_progress", self.path]
         if self.args.marker:
