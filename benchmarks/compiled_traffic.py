@@ -336,7 +336,7 @@ class Observer:
             if isinstance(node, sched.NopKernelSchedulerNode):
                 continue
             if isinstance(node, sched.ExternKernelSchedulerNode):
-                if _nanscan_op(getattr(node.node, "op_overload", None)):
+                if _nanscan_call(node):
                     nanscan_calls += 1
                 elif not isinstance(node.node, ir.MultiOutput):  # (an output of a call counted once)
                     name = _kernel_name(node.node)
@@ -421,12 +421,15 @@ def bytes_accessed(lowering) -> int:
     after fusion, extern calls included; without the runtime estimate that count also makes, which
     needs the device) -- less nanscan's own calls: a stamp given its records reads none of the
     tensors it names, which inductor counts as its reads."""
+    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
+    return sum(int(node.get_read_write_buffers_sizes()) for node in nodes if not _nanscan_call(node))
+
+
+def _nanscan_call(snode) -> bool:
+    """Whether a scheduler node is a call of a nanscan op (an extern kernel node)."""
     from torch._inductor import scheduler as sched
 
-    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
-    return sum(int(node.get_read_write_buffers_sizes()) for node in nodes
-               if not (isinstance(node, sched.ExternKernelSchedulerNode)
-                       and _nanscan_op(getattr(node.node, "op_overload", None))))
+    return isinstance(snode, sched.ExternKernelSchedulerNode) and _nanscan_op(getattr(snode.node, "op_overload", None))
 
 
 def _recorded(op, args) -> tuple:

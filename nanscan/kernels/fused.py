@@ -124,7 +124,7 @@ def _first_stage(x: torch.Tensor):
     finite_vals = torch.where(finite, vals, 0)
     squares = finite_vals * finite_vals
     # The partials are written by the first stage and read by the second: counts a row and indices
-    # below 2**31 in 32 bits (exact) keep them at 40 bytes a row, not 60.
+    # below 2**31 in 32 bits (exact) keep them at 40 bytes a row with FP32 accumulation, not 60.
     count = torch.int32 if n < 2**31 else torch.int64
     index = torch.arange(n, dtype=count, device=vals.device).view(shape)
     partials = [
