@@ -27,7 +27,8 @@ a cache hit would skip the lowering, and the counts with it):
   FX passes (the same graph a ``post_grad_custom_post_pass`` sees), and ``is_backward`` says which
   it is. When the node being lowered calls a ``nanscan`` op -- directly, or, the traced hooks'
   effectful ``stamp``, inside ``higher_order.with_effects`` -- its tensor arguments are the values
-  recorded: their bytes come from the FX nodes' ``meta['val']`` (numel x itemsize), and their
+  recorded (or, a stamp given its records, the values the fused records' post-grad pass took from
+  it and kept in the node's meta: Note [a stamp given its records takes no values]): their bytes come from the FX nodes' ``meta['val']`` (numel x itemsize), and their
   producers from the IR inductor made for the op: the fallback kernel created for the node lists
   the buffers it reads (``inputs``); each is followed through views to its buffer, whose class
   says who writes it -- ``ComputedBuffer``: a generated kernel (``TemplateBuffer``: a generated
@@ -104,6 +105,7 @@ from unittest import mock
 import torch
 
 import nanscan
+from nanscan.kernels.stamp_pass import RECORDED
 
 # The classes of a recorded tensor's producer.
 GENERATED, TEMPLATE, EXTERN, INPUT, COPY, OTHER = ("generated", "template", "extern", "graph input",
@@ -168,10 +170,19 @@ def _buffer(node):
     return node
 
 
+def _buffer_name(buffer):
+    """The name of an IR buffer; None for values not realized (inductor's loops have none)."""
+    from torch._inductor import ir
+
+    return None if isinstance(buffer, ir.Loops) or not hasattr(buffer, "get_name") else buffer.get_name()
+
+
 def classify(buffer, created: set, graph_inputs: set) -> tuple:
     """(producer class, kernel name) of the IR buffer a record op reads."""
     from torch._inductor import ir
 
+    if isinstance(buffer, ir.Loops):  # (not realized when the stamp is lowered: a generated kernel's values)
+        return GENERATED, f"{type(buffer).__name__} (unrealized)"
     name = buffer.get_name() if hasattr(buffer, "get_name") else None
     if name is not None and name in created:
         return COPY, type(buffer).__name__
@@ -248,7 +259,11 @@ class Observer:
         def observed_run_node(lowering, n):
             call = _record_call(n)
             if call is None:
-                return run_node(lowering, n)
+                result = run_node(lowering, n)
+                # (the interpreter drops a value after its last user; a stamp whose values were
+                # taken away is not one: Note [a stamp given its records takes no values])
+                lowering.__dict__.setdefault("_nanscan_lowered", {})[n] = result
+                return result
             before = len(lowering.operations)
             result = run_node(lowering, n)
             observer._note_record(lowering, n, call, lowering.operations[before:])
@@ -290,7 +305,8 @@ class Observer:
 
     def _note_record(self, lowering, n, call, new_ops) -> None:
         op, args = call
-        values, records_given = _recorded(op, args)
+        values, records_given = _recorded(op, args, n)
+        values_are_args = RECORDED not in n.meta
         kernels = [o for o in new_ops if _nanscan_op(getattr(o, "op_overload", None))]
         kernel = kernels[-1] if kernels else None
         inputs = list(getattr(kernel, "inputs", ()) or ()) if kernel is not None else []
@@ -309,16 +325,17 @@ class Observer:
             entry = {"node": v.name, "shape": [int(s) if isinstance(s, int) else str(s) for s in t.shape],
                      "dtype": str(t.dtype).removeprefix("torch."), "bytes": _nbytes(t),
                      "read_by_op": not records_given}
-            env = getattr(lowering, "env", {})
+            env = getattr(lowering, "_nanscan_lowered", {})
             own = _buffer(env[v]) if v in env else None  # (the value's own storage, realized by now)
-            buf = _buffer(inputs[i]) if len(inputs) == len(values) else own
+            # (the kernel's inputs are the values, in order, unless the values were taken away)
+            buf = _buffer(inputs[i]) if values_are_args and len(inputs) == len(values) else own
             if buf is None:
                 entry.update(producer=OTHER, kernel="unknown", buffer=None)
             else:
                 # A buffer made while the record op was lowered is the value's own storage realized
                 # for the op (an unrealized pointwise value: a generated kernel), or a copy of it.
                 entry["producer"], entry["kernel"] = classify(buf, () if buf is own else created, graph_inputs)
-                entry["buffer"] = buf.get_name() if hasattr(buf, "get_name") else None
+                entry["buffer"] = _buffer_name(buf)
             recorded.append(entry)
         self._account(lowering)["record_ops"].append({"op": _short(str(op)), "fx_node": n.name, "values": recorded})
 
@@ -432,17 +449,23 @@ def _nanscan_call(snode) -> bool:
     return isinstance(snode, sched.ExternKernelSchedulerNode) and _nanscan_op(getattr(snode.node, "op_overload", None))
 
 
-def _recorded(op, args) -> tuple:
+def _recorded(op, args, node=None) -> tuple:
     """(the FX nodes of the values a record op records, whether it is given their records). The
     stamp ops take ``values`` and ``records`` (``Tensor?``) by name in their schema; the summary
-    ops read every tensor argument."""
+    ops read every tensor argument. A stamp given its records whose values the fused records' pass
+    took away (Note [a stamp given its records takes no values] in nanscan/kernels/stamp_pass.py)
+    has them in ``node.meta``."""
     positional, kwargs = args
     names = [a.name for a in op._schema.arguments]
     if "values" not in names:
         return _tensor_nodes(args), False
     bound = dict(zip(names, positional))
     bound.update(kwargs)
-    return _tensor_nodes(bound.get("values")), isinstance(bound.get("records"), torch.fx.Node)
+    given = isinstance(bound.get("records"), torch.fx.Node)
+    values = bound.get("values")
+    if given and not values and node is not None:
+        values = node.meta.get(RECORDED, values)
+    return _tensor_nodes(values), given
 
 
 def _from_record_op(origin) -> bool:

@@ -7,6 +7,7 @@ kernel with no call of the op, the op stays opaque where the decomposition is no
 registration after the process's first compile still takes effect, and a watched compiled model's
 records are fused into its kernels with the same incident as eager."""
 import contextlib
+import operator
 import re
 
 import pytest
@@ -238,6 +239,10 @@ def test_a_watched_compiled_model_fuses_its_records_and_names_the_same_incident_
     # the stamps get records that generated kernels computed: no record op reads a tensor again
     assert "torch.ops.nanscan.stamp.default(" in code
     assert not re.search(r"nanscan\.summarize\w*\.default\(", code), "a record op was called"
+    # ... and take none of the recorded tensors (Note [a stamp given its records takes no values]):
+    # inductor does not write a value for them
+    stamps = re.findall(r"torch\.ops\.nanscan\.stamp\.default\((.*)\)", code)
+    assert stamps and all(args.startswith("[], ") for args in stamps), stamps
     assert found["inductor"] == found["eager"]
     assert found["eager"] is not None and found["eager"][3] == "1.act", found
 
@@ -307,3 +312,55 @@ def test_as_lowered_for_a_gpu_a_call_of_two_large_records_adds_one_kernel():
     assert tri["kernel_groups"] == tri["record_kernels"]["fused"] + 1, tri  # (the producers' kernels, and one)
     for k, t in enumerate((y, z)):
         assert_record_matches(records[k], reference.summarize(t), t, f"GPU lowering, tensor {k}")
+
+
+def test_the_post_grad_pass_empties_the_values_of_stamps_given_records_only():
+    """Note [a stamp given its records takes no values] (nanscan/kernels/stamp_pass.py): on a graph
+    with a stamp given its records and one without, the pass takes the first's values away (kept in
+    its meta) and leaves the second; it runs after a pass configured before it, and its cache key
+    is its own with that pass's."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from nanscan.kernels import stamp_pass
+
+    def graph_of_two_stamps():
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        token = graph.call_function(torch.ops.prims._make_token.default, ())
+        records = graph.call_function(torch.ops.nanscan.summarize_many.default, ([x],))
+        given = graph.call_function(torch.ops.higher_order.with_effects,
+                                    (token, torch.ops.nanscan.stamp.default, [x], records, 7, 0, ""))
+        token = graph.call_function(operator.getitem, (given, 0))
+        summarized = graph.call_function(torch.ops.higher_order.with_effects,
+                                         (token, torch.ops.nanscan.stamp.default, [x], None, 7, 1, ""))
+        graph.output((graph.call_function(operator.getitem, (summarized, 0)),))
+        return graph, x, given, summarized
+
+    graph, x, given, summarized = graph_of_two_stamps()
+    assert stamp_pass.stamps_take_no_values(graph) == 1
+    assert given.args[2] == [] and given.meta[stamp_pass.RECORDED] == [x]
+    assert summarized.args[2] == [x] and stamp_pass.RECORDED not in summarized.meta
+
+    seen = []
+
+    class Before(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(sum(1 for n in graph.nodes if n.target is torch.ops.higher_order.with_effects
+                            and n.args[2] == []))
+
+        def uuid(self):
+            return "before"
+
+    chained = stamp_pass.StampsTakeNoValues(Before())
+    graph, x, given, _ = graph_of_two_stamps()
+    chained(graph)
+    assert seen == [0] and given.args[2] == []  # (the configured pass saw the graph first)
+    assert chained.uuid()[1:] == ("before",) and chained.uuid()[0] == stamp_pass.StampsTakeNoValues().uuid()[0]
+    assert stamp_pass.StampsTakeNoValues(lambda graph: None).uuid() is None  # (no key: inductor does not cache)
+    with inductor_config.patch(post_grad_custom_post_pass=Before()):
+        stamp_pass.install()
+        installed = inductor_config.post_grad_custom_post_pass
+        assert isinstance(installed, stamp_pass.StampsTakeNoValues) and isinstance(installed.before, Before)
+        stamp_pass.install()  # (once: not chained after itself)
+        assert inductor_config.post_grad_custom_post_pass is installed

@@ -200,6 +200,28 @@ def test_stamp_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_drop
     assert buffer[1].abs().sum().item() == 0.0 and counter.item() == 7.0
 
 
+def test_stamp_given_records_without_their_values_writes_a_row_per_record():
+    # (a compiled graph's stamp: Note [a stamp given its records takes no values], nanscan/kernels/stamp_pass.py)
+    from nanscan import _C
+
+    buffer, counter = torch.zeros(4, R + 4, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    records = torch.arange(2 * R, dtype=torch.float64).reshape(2, R)
+    _C.set_stamp_target(4243, buffer, counter)
+    try:
+        before = _C.stamp_count(4243)
+        torch.ops.nanscan.stamp([], records, 4243, 1, "")
+        assert _C.stamp_count(4243) - before == 2  # (the host's count: one per row written)
+        with pytest.raises(RuntimeError, match=r"records given without values must be \[rows, columns\]"):
+            torch.ops.nanscan.stamp([], records[0], 4243, 0, "")
+        torch.ops.nanscan.stamp([], None, 4243, 0, "")  # neither values nor records: nothing to write
+    finally:
+        _C.set_stamp_target(4243, None, None)
+    assert torch.equal(buffer[1:3, :R], records) and buffer[1:3, R].tolist() == [1.0, 2.0] and counter.item() == 2.0
+    assert buffer[[0, 3]].abs().sum().item() == 0.0
+    assert counter.item() == 2.0 and _C.stamp_count(4243) - before == 2
+    _C.drop_stamp_count(4243)
+
+
 def test_tensor_set_records_the_held_tensors_and_the_gradients_that_exist():
     # The monitor's per-step parameter checks: one C++ call for the records of the held parameters,
     # one for those of their gradients (which exist, and where).

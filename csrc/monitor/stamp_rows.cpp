@@ -35,6 +35,7 @@
 //
 //   stamp(values, records, owner, first_row, labels)
 //     = stamp_rows_(buffer[owner], counter[owner], values, records, first_row, owner, labels)
+//   (records given: one row per value, or, values empty, per row of records)
 //   (nothing when no buffer is named for owner: its monitor was closed; values on another device
 //   than the buffer are summarized on theirs and their records copied to the buffer's)
 //
@@ -151,7 +152,12 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
   }
   c10::optional<at::Tensor> given;
   if (records.has_value() && records->defined()) {
-    given = records->reshape({static_cast<int64_t>(values.size()), -1}).to(buffer.device());
+    // Records given without their values (a compiled graph's stamp, Note [a stamp given its records
+    // takes no values] in nanscan/kernels/stamp_pass.py): one row per row of records.
+    TORCH_CHECK(!values.empty() || records->dim() == 2,
+                "nanscan.stamp: records given without values must be [rows, columns], got ", records->sizes());
+    given = (values.empty() ? *records : records->reshape({static_cast<int64_t>(values.size()), -1}))
+                .to(buffer.device());
   } else {
     // A value on another device than the buffer (model parallelism): summarized where it lives,
     // its record copied over -- here rather than in the traced hook, whose every line dynamo traces.

@@ -22,8 +22,11 @@ So the record is written in two stages here, the split chosen in the tensor's ow
    finite_min and the first non-finite index negated) of the ten partials, each as a
    ``[10, rows]`` select over the ten partial buffers -- of every record of the call at once:
    ``[records x 10, rows]``, each partial padded to the most rows with the reduction's identity.
-   Each select is read by its reduction only, so inductor computes it inside the reduction instead
-   of writing it first; both read every partial, so the two reductions are one kernel; the rows
+   Each select is read by its reduction only, so inductor can compute it inside the reduction
+   instead of writing it first (it does in the graphs of tests/test_fused_records.py; in the
+   benchmark GPT's forward graph it writes some, benchmarks/README.md; why is open -- stacking the
+   partials into one buffer instead broke the first stages' fusion: twenty kernels for four
+   records); both read every partial, so the two reductions are one kernel; the rows
    are contiguous in it, an inner reduction, which inductor does not split again up to 8,192 rows
    (an outer one, over ``[rows, 10]``, it splits from 128 rows: a written matrix and two more
    kernels a record); and the select of each slot from the one or the other is their epilogue.
@@ -150,7 +153,7 @@ def _second_stage(staged: list) -> torch.Tensor:
     device = staged[0][0][0].device
     rows = max(partials[0].numel() for partials, _, _ in staged)
     width = len(staged) * RECORD_SIZE
-    # Each select is read by one reduction only, so inductor computes it inside the reduction
+    # Each select is read by one reduction only, so inductor can compute it inside the reduction
     # instead of writing it first (a select read twice is written to memory); the rows are
     # contiguous in it, an inner reduction, which inductor does not split again up to 8,192 rows
     # (one over [rows, RECORD_SIZE] it splits from 128); both read every partial, so the sum and
