@@ -401,8 +401,14 @@ def as_if_lowered_for_a_gpu():
     reduction split in two stages (``Reduction.num_splits`` with an H100's SM count) -- and
     generate (and run) C++ code for that lowering. With ``Observer(triton_schedule=True)`` the
     Triton rows are then an estimate of the GPU's own graph (Note [Triton's fusion, scheduled on
-    the CPU]); the C++ rows are of this lowering, not of the CPU's default one."""
+    the CPU]); the C++ rows are of this lowering, not of the CPU's default one.
+
+    Which values inductor writes to memory rather than recomputes in each consumer is decided
+    while lowering, by thresholds that differ for a CPU (``ir.is_cpu``: more reads and ops before
+    a value is realized, and ``tanh``, ``exp``, ``sigmoid`` ... realized whenever reused); they are
+    the GPU's here, so that a value a GPU keeps in registers is not counted as written."""
     import torch._inductor.config as inductor_config
+    from torch._inductor import ir
     from torch._inductor.graph import GraphLowering
     from torch._inductor.runtime import hints
 
@@ -420,6 +426,7 @@ def as_if_lowered_for_a_gpu():
         s.enter_context(inductor_config.patch(cpu_backend="triton"))  # (the lowering's heuristics)
         s.enter_context(mock.patch.object(hints.DeviceProperties, "create", staticmethod(properties)))
         s.enter_context(mock.patch.object(GraphLowering, "codegen", cpp_codegen))
+        s.enter_context(mock.patch.object(ir, "is_cpu", lambda x: False))  # (the realize heuristics)
         yield
 
 
