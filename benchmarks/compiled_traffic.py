@@ -28,7 +28,8 @@ a cache hit would skip the lowering, and the counts with it):
   it is. When the node being lowered calls a ``nanscan`` op -- directly, or, the traced hooks'
   effectful ``stamp``, inside ``higher_order.with_effects`` -- its tensor arguments are the values
   recorded (or, a stamp given its records, the values the fused records' post-grad pass took from
-  it and kept in the node's meta: Note [a stamp given its records takes no values]): their bytes come from the FX nodes' ``meta['val']`` (numel x itemsize), and their
+  it and kept in the node's meta: Note [a stamp given its records takes no values]): their bytes
+  come from the FX nodes' ``meta['val']`` (numel x itemsize), and their
   producers from the IR inductor made for the op: the fallback kernel created for the node lists
   the buffers it reads (``inputs``); each is followed through views to its buffer, whose class
   says who writes it -- ``ComputedBuffer``: a generated kernel (``TemplateBuffer``: a generated
