@@ -38,7 +38,7 @@ build: $(VENV)/.built
 
 test: build
 	$(VENV)/bin/ruff check nanscan tests benchmarks setup.py
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 	$(PY) -m pytest -q benchmarks $(QUICK_BENCH) --benchmark-columns=median,iqr,rounds --benchmark-sort=name
 
 # Records fused into compiled kernels are opt-in (NANSCAN_FUSED_RECORDS=1): the compiled monitor's
