@@ -23,10 +23,10 @@ So the record is written in two stages here, the split chosen in the tensor's ow
    ``[10, rows]`` select over the ten partial buffers -- of every record of the call at once:
    ``[records x 10, rows]``, each partial padded to the most rows with the reduction's identity.
    Each select is read by its reduction only, so inductor can compute it inside the reduction
-   instead of writing it first -- up to eight partial buffers: a value that reads more is written
-   on a GPU (``realize_acc_reads_threshold``), as in the benchmark GPT's forward graph
-   (benchmarks/README.md; stacking the partials into one buffer instead broke the first stages'
-   fusion: twenty kernels for four records); both read every partial, so the two reductions are one kernel; the rows
+   instead of writing it first (a select of more than eight partial buffers is realized on a GPU,
+   ``realize_acc_reads_threshold``, but in the kernel that reduces it: no memory traffic;
+   stacking the partials into one buffer instead broke the first stages' fusion, twenty kernels
+   for four records); both read every partial, so the two reductions are one kernel; the rows
    are contiguous in it, an inner reduction, which inductor does not split again up to 8,192 rows
    (an outer one, over ``[rows, 10]``, it splits from 128 rows: a written matrix and two more
    kernels a record); and the select of each slot from the one or the other is their epilogue.
