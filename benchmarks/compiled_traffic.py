@@ -106,7 +106,7 @@ from unittest import mock
 import torch
 
 import nanscan
-from nanscan.kernels.stamp_pass import RECORDED
+from nanscan.kernels.stamp_pass import RECORDED, bound_arguments
 
 # The classes of a recorded tensor's producer.
 GENERATED, TEMPLATE, EXTERN, INPUT, COPY, OTHER = ("generated", "template", "extern", "graph input",
@@ -184,7 +184,7 @@ def classify(buffer, created: set, graph_inputs: set) -> tuple:
 
     if isinstance(buffer, ir.Loops):  # (not realized when the stamp is lowered: a generated kernel's values)
         return GENERATED, f"{type(buffer).__name__} (unrealized)"
-    name = buffer.get_name() if hasattr(buffer, "get_name") else None
+    name = _buffer_name(buffer)
     if name is not None and name in created:
         return COPY, type(buffer).__name__
     if isinstance(buffer, ir.ConcatKernel):
@@ -464,11 +464,9 @@ def _recorded(op, args, node=None) -> tuple:
     took away (Note [a stamp given its records takes no values] in nanscan/kernels/stamp_pass.py)
     has them in ``node.meta``."""
     positional, kwargs = args
-    names = [a.name for a in op._schema.arguments]
-    if "values" not in names:
+    if "values" not in (a.name for a in op._schema.arguments):
         return _tensor_nodes(args), False
-    bound = dict(zip(names, positional))
-    bound.update(kwargs)
+    bound = bound_arguments(op, positional, kwargs)
     given = isinstance(bound.get("records"), torch.fx.Node)
     values = bound.get("values")
     if given and not values and node is not None:

@@ -36,6 +36,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 RECORDED = "nanscan_recorded"  # node.meta key: the values a stamp's given records are of
 
 
+def bound_arguments(op, positional, kwargs) -> dict:
+    """``op``'s arguments by their schema names (``positional`` in schema order, then ``kwargs``)."""
+    bound = dict(zip((a.name for a in op._schema.arguments), positional))
+    bound.update(kwargs)
+    return bound
+
+
 def stamps_take_no_values(graph: torch.fx.Graph) -> int:
     """Empty the ``values`` of ``graph``'s stamps given their records (their FX nodes kept in
     ``meta[RECORDED]``); returns how many stamps were changed."""
@@ -48,8 +55,7 @@ def stamps_take_no_values(graph: torch.fx.Graph) -> int:
                 or node.args[1] is not stamp:
             continue
         positional, kwargs = list(node.args[2:]), dict(node.kwargs)
-        bound = dict(zip(names, positional))
-        bound.update(kwargs)
+        bound = bound_arguments(stamp, positional, kwargs)
         values, records = bound.get("values"), bound.get("records")
         if not isinstance(records, torch.fx.Node) or not values:
             continue
