@@ -15,24 +15,30 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
 - **records finished at the read**: the parts of it that make records -- the read window's and the
   gradient sink's ``take`` (on the CPU they summarize, in one pass, the small tensors copied on
   arrival: HostRows in csrc/monitor/grad_sink.h; on a device, the last batch's launch) and the
-  parameter gradients' records (``ModelTensors.grad_records``: one C++ call). That is kernel work
-  on the CPU, a launch or two on a device;
+  parameter gradients' records (``ModelTensors.grad_records``: one C++ call) -- timed around
+  those calls, or, where the read takes them in one C++ call with its test (``LeanRead``: Note [a
+  clean read in one call] in csrc/monitor/lean_read.h), by that call (``finishing_ns``). That is
+  kernel work on the CPU, a launch or two on a device;
 - **read + decision**: the difference -- the non-finite test, the slots, the copy, the findings and
   every consumer: what the clean-step target is about (<= 30 us at 1,000 records, flat in the number
   of records);
 - **Python calls**: functions and builtins called from Python during one read (``sys.setprofile``
-  "call" and "c_call" events, in a separate pass: the profile hook slows the read).
+  "call" and "c_call" events, in a separate pass: the profile hook slows the read);
+- **a cold call**: ``distributed.active()`` timed twice in a row as each read begins (in a separate
+  pass of the default variant): what the read's first lines pay because the step between two reads
+  evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in four variants: the read decided as by default (``DEVICE_DECISION =
-"cuda"``, sync mode: a clean read is decided in the blocks the windows made before any slot, Copy
-or Read is made of it -- Note [a clean read is decided without a Read] in
-nanscan/monitor/readback.py), the same in async mode (``"async"``: a Copy decided in its blocks, a
-read later, then bookkept without a Read: the clean path before that note, and the GPU's),
-stacked and copied whole (``"never"``: the read before the clean-read path), and with every part
-that walks a read's rows on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and
-telemetry every 10 steps to a no-op sink -- the rows are then stacked, and each part walks them
-through ``Read.runs``), in
-interleaved rounds (one round: ``--steps`` watched steps of each variant, order reversed every
+Each ``n`` is measured in five variants: the read decided as by default (``DEVICE_DECISION =
+"cuda"``, sync mode: a clean read is taken and tested in one C++ call, before any slot, Copy or
+Read is made of it -- Note [a clean read is decided without a Read] in
+nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h); the
+same read taken call by call and tested in its blocks (``"blocks"``: the path before that note,
+``reading.TAKEN_IN_ONE_CALL = False``); the same in async mode (``"async"``: a Copy decided in its
+blocks, a read later, then bookkept without a Read: the GPU's clean path); stacked and copied whole
+(``"never"``: the read before the clean-read path); and with every part that walks a read's rows
+on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
+no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``). They run
+in interleaved rounds (one round: ``--steps`` watched steps of each variant, order reversed every
 round); a number is the median over every read of the rounds. The slope per record is (the largest
 ``n``'s value - the smallest's) / (their record difference).
 
@@ -52,42 +58,17 @@ import torch
 from torch import nn
 
 import nanscan
-from nanscan.monitor import readback
+from nanscan import _ops
+from nanscan.monitor import distributed, reading, readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.tensors import ModelTensors
 
-# variant -> (the decision, the mode, every part that walks the rows on)
-VARIANTS = {"cuda": ("cuda", "sync", False), "async": ("cuda", "async", False), "never": ("never", "sync", False),
-            "parts": ("cuda", "sync", True)}
-NAMES = {"cuda": "default (no Copy)", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
-         "parts": "every part on"}
-
-
-class _Timed:
-    """Stands for a C++ read window (or gradient sink) in ``Reading``: times its ``take``. (The
-    hooks hold the C++ object itself: only the read's calls come through here.)"""
-
-    def __init__(self, inner, spent: list):
-        self._inner, self._spent = inner, spent
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        if name in ("_inner", "_spent"):
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._inner, name, value)
-
-    def __len__(self):
-        return len(self._inner)
-
-    def take(self):
-        t = time.perf_counter_ns()
-        try:
-            return self._inner.take()
-        finally:
-            self._spent[-1] += time.perf_counter_ns() - t
+# variant -> (the decision, the mode, every part that walks the rows on, taken in one call)
+VARIANTS = {"cuda": ("cuda", "sync", False, True), "blocks": ("cuda", "sync", False, False),
+            "async": ("cuda", "async", False, True), "never": ("never", "sync", False, True),
+            "parts": ("cuda", "sync", True, True)}
+NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks", "async": "async (Copy in blocks)",
+         "never": "stacked, copied whole", "parts": "every part on"}
 
 
 def _model(layers: int):
@@ -104,10 +85,12 @@ def _train(model, opt, x, steps: int) -> None:
 
 
 def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False,
-              mode: str = "sync") -> dict:
+              mode: str = "sync", one_call: bool = True, cold_probe: bool = False) -> dict:
     """Watch a fresh ``layers``-layer model in ``mode``, train ``steps`` steps (after 2 untimed ones)
     with the read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on);
-    per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls."""
+    per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls;
+    ``cold_probe``: also the time of ``distributed.active()`` (four small Python functions) called
+    twice in a row as the read begins -- the first as cold as the read's own first call."""
     model, opt, x = _model(layers)
     options = {"mode": mode}
     log_dir = None
@@ -115,12 +98,24 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
         log_dir = tempfile.mkdtemp(prefix="nanscan-read-cost-")
         options.update(log=os.path.join(log_dir, "events.jsonl"), spikes=True, headroom_bits=4.0,
                        telemetry=lambda step, scalars: None, telemetry_every=10)
-    whole, finishing, records, calls = [], [], [], []
+    whole, finishing, records, calls, probes = [], [], [], [], []
     read_and_decide, grad_records = Monitor._read_and_decide, ModelTensors.grad_records
+    extension = _ops.monitor_extension()
+    takes = {cls: cls.__dict__["take"] for cls in (extension.Window, extension.GradSink)}
     decision_before = readback.DEVICE_DECISION
 
     def timed_read(self, *args, **kwargs):
         finishing.append(0)
+        # (the records this read takes: the window's entries, the gradients of module outputs, the
+        # parameter gradients -- every parameter has one here)
+        window, sink = self.reading.window, self.reading.grad_sink
+        records.append(len(window) + (len(sink) if sink is not None else 0) + len(self.tensors.param_names))
+        if cold_probe:
+            t0 = time.perf_counter_ns()
+            distributed.active()
+            t1 = time.perf_counter_ns()
+            distributed.active()
+            probes.append((t1 - t0, time.perf_counter_ns() - t1))
         counted = [0]
         if count_calls:
             def profile(frame, event, arg):
@@ -135,51 +130,45 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
             if count_calls:
                 sys.setprofile(None)
                 calls.append(counted[0])
+            lean = self.reading._lean_read  # (a read taken in one C++ call times its own finishing)
+            if lean is not None:
+                finishing[-1] += lean[0].finishing_ns
+                lean[0].finishing_ns = 0
 
-    def timed_grad_records(self, *args, **kwargs):
-        t = time.perf_counter_ns()
-        try:
-            found = grad_records(self, *args, **kwargs)
-        finally:
-            finishing[-1] += time.perf_counter_ns() - t
-        return found
+    def timed(function):
+        def timed_call(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                finishing[-1] += time.perf_counter_ns() - t
+        return timed_call
 
-    readback.DEVICE_DECISION = decision
-    Monitor._read_and_decide, ModelTensors.grad_records = timed_read, timed_grad_records
+    def restore():
+        Monitor._read_and_decide, ModelTensors.grad_records = read_and_decide, grad_records
+        for cls, take in takes.items():
+            cls.take = take
+
+    readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision, one_call
     try:
         with nanscan.watch(model, opt, **options) as mon:
-            reading = mon.reading
-            reading.window = _Timed(reading.window, finishing)
-            if reading.grad_sink is not None:
-                reading.grad_sink = _Timed(reading.grad_sink, finishing)
             _train(model, opt, x, 2)
-            del whole[:], finishing[:], calls[:]
-            # (records counted from the blocks: a read decided clean has no slots)
-            start, clean_of = readback.Copy.start.__func__, readback.Clean.of.__func__
-
-            def counting_start(cls, blocks, slots, *args, **kwargs):
-                records.append(sum(b.shape[0] for b in blocks))
-                return start(cls, blocks, slots, *args, **kwargs)
-
-            def counting_clean(cls, step, blocks, *args, **kwargs):
-                records.append(sum(b.shape[0] for b in blocks))
-                return clean_of(cls, step, blocks, *args, **kwargs)
-
-            readback.Copy.start, readback.Clean.of = classmethod(counting_start), classmethod(counting_clean)
+            Monitor._read_and_decide, ModelTensors.grad_records = timed_read, timed(grad_records)
+            for cls, take in takes.items():  # (the hooks call C++ directly: only the read's takes come here)
+                cls.take = timed(take)
             try:
                 _train(model, opt, x, steps)
             finally:
-                readback.Copy.start, readback.Clean.of = classmethod(start), classmethod(clean_of)
-                Monitor._read_and_decide, ModelTensors.grad_records = read_and_decide, grad_records
+                restore()
             assert mon.incidents == [], "the benchmark's steps must be clean"
     finally:
-        readback.DEVICE_DECISION = decision_before
-        Monitor._read_and_decide, ModelTensors.grad_records = read_and_decide, grad_records
+        readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision_before, True
+        restore()
         if log_dir is not None:
             for name in os.listdir(log_dir):
                 os.remove(os.path.join(log_dir, name))
             os.rmdir(log_dir)
-    return {"whole_ns": whole, "finishing_ns": finishing, "records": records, "calls": calls}
+    return {"whole_ns": whole, "finishing_ns": finishing, "records": records, "calls": calls, "probes": probes}
 
 
 def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
@@ -189,12 +178,17 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
         order = list(VARIANTS)
         for r in range(rounds):
             for variant in (order if r % 2 == 0 else order[::-1]):
-                decision, mode, parts = VARIANTS[variant]
-                got = run_reads(n, decision, steps, parts=parts, mode=mode)
+                decision, mode, parts, one_call = VARIANTS[variant]
+                got = run_reads(n, decision, steps, parts=parts, mode=mode, one_call=one_call)
                 for k in ("whole_ns", "finishing_ns", "records"):
                     samples[variant][k] += got[k]
-        for variant, (decision, mode, parts) in VARIANTS.items():
-            samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts, mode=mode)["calls"]
+        for variant, (decision, mode, parts, one_call) in VARIANTS.items():
+            samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts, mode=mode,
+                                                  one_call=one_call)["calls"]
+            if variant == "cuda":  # (a pass of its own: the probe warms what the read calls first)
+                probes = run_reads(n, decision, steps, cold_probe=True)["probes"]
+                cold = {"first_call_us": statistics.median(p[0] for p in probes) / 1e3,
+                        "second_call_us": statistics.median(p[1] for p in probes) / 1e3}
             s = samples[variant]
             whole = statistics.median(s["whole_ns"]) / 1e3
             finishing = statistics.median(s["finishing_ns"]) / 1e3
@@ -203,6 +197,7 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
                 "records": statistics.median(s["records"]), "whole_us": whole, "finishing_us": finishing,
                 "read_and_decision_us": rest, "python_calls": statistics.median(s["calls"]),
                 "reads": len(s["whole_ns"])}
+        results[str(n)]["cold_call"] = cold
     return {"layers": list(layers), "rounds": rounds, "steps": steps, "torch": torch.__version__,
             "results": results}
 
@@ -227,6 +222,10 @@ def table(result: dict) -> str:
             r = result["results"][str(n)][v]
             lines.append(f"{n:>6} {r['records']:>8.0f} {NAMES[v]:<22} {r['whole_us']:>9.1f} "
                          f"{r['finishing_us']:>20.1f} {r['read_and_decision_us']:>17.1f} {r['python_calls']:>13.0f}")
+    for n in result["layers"]:
+        cold = result["results"][str(n)]["cold_call"]
+        lines.append(f"{n:>6} layers: distributed.active() as a read begins {cold['first_call_us']:.1f} us, "
+                     f"called again at once {cold['second_call_us']:.1f} us")
     for v, s in slopes(result).items():
         lines.append(f"per record, {NAMES[v]}: whole {s['whole_us']:.3f} us, records finished "
                      f"{s['finishing_us']:.3f} us, read+decision {s['read_and_decision_us']:.3f} us, Python calls "

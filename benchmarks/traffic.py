@@ -98,7 +98,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanscan
 from nanscan.monitor.read import Read
-from nanscan.monitor.readback import Clean, Copy
+from nanscan.monitor.readback import Copy
+from nanscan.monitor.reading import Reading
 from nanscan.monitor.slots import BATCH_INPUT, BODY, MODEL_LOSS, OUTPUT, Block, EagerRows, GradBlock
 from nanscan.monitor.tensors import ModelTensors
 
@@ -252,6 +253,14 @@ class Observed:
         return total
 
 
+def _not_lean(gather):
+    """``Reading.gather`` with ``lean`` off: a clean read is not decided before its Copy is made."""
+    def gather_whole(self, *args, **kwargs):
+        kwargs["lean"] = False
+        return gather(self, *args, **kwargs)
+    return gather_whole
+
+
 @contextlib.contextmanager
 def observe():
     """Wrap ``Read.land`` and ``Copy.wait`` (and ``Copy._fetch_rows`` where it exists) -- class
@@ -260,7 +269,7 @@ def observe():
     land, wait = Read.__dict__["land"], Copy.__dict__["wait"]
     fetch = Copy.__dict__.get("_fetch_rows")
     # (every read decoded whole: a clean one has no Read otherwise)
-    clean_of, clean = Clean.__dict__["of"], Copy.__dict__["clean"]
+    gather, clean = Reading.__dict__["gather"], Copy.__dict__["clean"]
 
     def observed_land(cls, copy, traced, **kwargs):
         read = land.__func__(cls, copy, traced, **kwargs)
@@ -284,7 +293,7 @@ def observe():
 
     Read.land = classmethod(observed_land)
     Copy.wait = observed_wait
-    Clean.of = classmethod(lambda cls, *args, **kwargs: None)
+    Reading.gather = _not_lean(gather)
     Copy.clean = property(lambda self: False)
     if fetch is not None:
         Copy._fetch_rows = observed_fetch
@@ -293,7 +302,7 @@ def observe():
     finally:
         Read.land = land
         Copy.wait = wait
-        Clean.of, Copy.clean = clean_of, clean
+        Reading.gather, Copy.clean = gather, clean
         if fetch is not None:
             Copy._fetch_rows = fetch
 

@@ -1,6 +1,6 @@
 # The Python surface of the compiled module nanscan._C (csrc/monitor/module.cpp binds it): what the
 # monitor may call. The ops themselves (torch.ops.nanscan.*) are declared in csrc/nanscan.cpp.
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -88,3 +88,12 @@ class Hooks:
     def set_unwatched_child(self, idx: int) -> None: ...
     def set_post_only(self, flags: Sequence[bool]) -> None: ...
     def release(self) -> None: ...
+
+class LeanRead:
+    """A read's takes and its clean test in one call (Note [a clean read in one call],
+    csrc/monitor/lean_read.h)."""
+    finishing_ns: int  # the last take's time spent finishing records
+    def __init__(self, window: Window, sink: Optional[GradSink], params: Optional[TensorSet], hooks: Hooks) -> None: ...
+    # Clean: None (no parameter gradient read), True (every one), or the indices of those read.
+    # Else (window.take(), sink.take() or None, TensorSet.grad_records() or None).
+    def take(self, grads: bool, sink_generation: int) -> Union[None, bool, list[int], tuple]: ...

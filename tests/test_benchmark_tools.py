@@ -244,8 +244,10 @@ def test_read_cost_prints_each_decisions_parts_and_slope_and_writes_json(tmp_pat
     out = tmp_path / "read.json"
     assert read_cost.main(["--layers", "2", "8", "--rounds", "2", "--steps", "3", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    for variant in ("default (no Copy)", "async (Copy in blocks)", "stacked, copied whole", "every part on"):
+    for variant in ("default (one call)", "call by call, in blocks", "async (Copy in blocks)", "stacked, copied whole",
+                    "every part on"):
         assert variant in text
+    assert "distributed.active() as a read begins" in text
     assert "per record" in text
     result = json.loads(out.read_text())
     for n, records in (("2", 14), ("8", 50)):  # (each layer: output, its gradient, weight, bias, 2 grads; + 2)
@@ -254,3 +256,6 @@ def test_read_cost_prints_each_decisions_parts_and_slope_and_writes_json(tmp_pat
             assert r["records"] == records and r["reads"] == 2 * 3
             assert 0 < r["finishing_us"] < r["whole_us"] and r["python_calls"] > 0
     assert result["results"]["2"]["cuda"]["python_calls"] == result["results"]["8"]["cuda"]["python_calls"]
+    for n in ("2", "8"):
+        cold = result["results"][n]["cold_call"]
+        assert cold["first_call_us"] > 0 and cold["second_call_us"] > 0

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import nanscan
-from nanscan.monitor import readback
+from nanscan.monitor import reading, readback
 from nanscan.record import RECORD_SIZE
 
 NAN = float("nan")
@@ -38,15 +38,13 @@ def copies(monkeypatch):
 def cleans(monkeypatch):
     """Every read of the test decided clean before a Copy was made of it (Clean), in order."""
     found = []
-    of = readback.Clean.of.__func__
+    init = readback.Clean.__init__
 
-    def recording(cls, *args, **kwargs):
-        clean = of(cls, *args, **kwargs)
-        if clean is not None:
-            found.append(clean)
-        return clean
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        found.append(self)
 
-    monkeypatch.setattr(readback.Clean, "of", classmethod(recording))
+    monkeypatch.setattr(readback.Clean, "__init__", recording)
     return found
 
 
@@ -157,13 +155,25 @@ def _gradient(model, step, loss):
     return NanGrad.apply(loss)
 
 
-@pytest.mark.parametrize("plant", [_activation, _loss, _gradient])
+def _param_grad(model, step, loss):
+    # a parameter's gradient alone: the gradients of module outputs stay finite
+    if step == 1 and loss is None:
+        handle = model[3][0].weight.register_hook(lambda g: g * NAN)
+        model._nan_hook = handle
+    elif step == 2 and loss is None:
+        model._nan_hook.remove()
+    return loss
+
+
+@pytest.mark.parametrize("plant", [_activation, _loss, _gradient, _param_grad])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decision(monkeypatch, copies, plant,
                                                                                      mode):
     results = {}
-    for where in ("never", "always", "cuda"):  # (on CPU rows "cuda" decides in blocks)
-        monkeypatch.setattr(readback, "DEVICE_DECISION", where)
+    # (on CPU rows "cuda" decides a sync read in one call, "blocks" call by call in its blocks)
+    for where in ("never", "always", "cuda", "blocks"):
+        monkeypatch.setattr(readback, "DEVICE_DECISION", "cuda" if where == "blocks" else where)
+        monkeypatch.setattr(reading, "TAKEN_IN_ONE_CALL", where != "blocks")
         copies.clear()
         mon = train(deep(6), steps=4, plant=plant, mode=mode)
         results[where] = ([key(i) for i in mon.incidents], dict(mon.offenders), mon.ledger.applied,
@@ -175,7 +185,51 @@ def test_a_nonfinite_record_anywhere_gives_the_same_incident_as_the_host_decisio
         if where == "cuda":
             assert all(c.host is None for c in copies if c.slots and not c.bad)
     assert results["always"][0], "the planted fault was not found"
-    assert results["always"] == results["never"] == results["cuda"]
+    assert results["always"] == results["never"] == results["cuda"] == results["blocks"]
+
+
+class _Partly(nn.Module):
+    """A model one of whose layers is not used: its parameters get no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_read_taken_in_one_call_keeps_which_gradients_it_read(cleans):
+    # the clean read taken in one C++ call says which parameters had a gradient: the update's
+    # records are judged against those alone
+    mon = train(_Partly())
+    assert mon.incidents == [] and [c.step for c in cleans] == [0, 1, 2]
+    assert all(c.grad_names == ["used.weight", "used.bias"] for c in cleans)
+    assert mon.tensors.grads_read[2] == (frozenset({"used.weight", "used.bias"}), set())
+    assert mon.reading._lean_read is not None  # (the read was taken in one call)
+
+
+def test_the_one_call_take_returns_what_the_separate_calls_do_when_a_record_is_not_finite():
+    from nanscan import _ops
+
+    extension = _ops.monitor_extension()
+    mon = train(deep(2), steps=1)
+    window = extension.Window(object(), lambda rows: rows, None, None, 1, 8, 1 << 20)
+    params = [torch.randn(3), torch.randn(2, 2)]
+    held = extension.TensorSet(params, None)
+    lean = extension.LeanRead(window, None, held, mon.hooks.cpp)
+    assert lean.take(True, 1) is None  # no gradient yet: nothing read, clean
+    params[0].grad = torch.ones(3)
+    assert lean.take(True, 1) == [0]  # the first parameter's gradient alone
+    params[1].grad = torch.ones(2, 2)
+    assert lean.take(True, 1) is True and lean.take(False, 1) is None
+    params[1].grad[0, 1] = float("inf")
+    assert lean.finishing_ns >= 0
+    taken = lean.take(True, 1)
+    (entries, blocks, rows), sink, (records, present, sparse) = taken
+    assert entries == [] and blocks == [] and rows is None and sink is None
+    assert present is None and sparse is None and records.shape == (2, RECORD_SIZE)
+    assert records[1, 1].item() == 1  # the +Inf, counted
 
 
 def test_the_reads_scalars_ride_with_the_count(monkeypatch, copies, cleans):

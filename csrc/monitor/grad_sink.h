@@ -376,25 +376,35 @@ class GradSink {
     return meta_.size() + static_cast<int64_t>(pending_index_.size());
   }
 
-  py::tuple take() {
+  // What take() hands over, before any Python object is made of it (see Window::Taken).
+  struct Taken {
     std::vector<at::Tensor> records;
-    auto meta = std::make_shared<GradMeta>();
-    {
-      py::gil_scoped_release nogil;
-      std::lock_guard<std::mutex> lock(mu_);
-      flush_locked();
-      if (!side_.empty()) side_.join_into_current();  // (the read's stream: this thread's current one)
-      records.swap(records_);
-      std::swap(*meta, meta_);
-      marks_.take();
-      // (The next read receives about as many: no reallocations as they arrive.)
-      meta_.grads.reserve(meta->grads.size());
-      meta_.dims.reserve(meta->dims.size());
-    }
-    py::list blocks;
-    for (auto& r : records) blocks.append(py::cast(std::move(r)));
-    return py::make_tuple(std::move(blocks), py::cast(meta));
+    std::shared_ptr<GradMeta> meta;
+  };
+
+  Taken take_parts() {
+    Taken taken;
+    taken.meta = std::make_shared<GradMeta>();
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    flush_locked();
+    if (!side_.empty()) side_.join_into_current();  // (the read's stream: this thread's current one)
+    taken.records.swap(records_);
+    std::swap(*taken.meta, meta_);
+    marks_.take();
+    // (The next read receives about as many: no reallocations as they arrive.)
+    meta_.grads.reserve(taken.meta->grads.size());
+    meta_.dims.reserve(taken.meta->dims.size());
+    return taken;
   }
+
+  static py::tuple to_python(Taken&& taken) {
+    py::list blocks;
+    for (auto& r : taken.records) blocks.append(py::cast(std::move(r)));
+    return py::make_tuple(std::move(blocks), py::cast(std::move(taken.meta)));
+  }
+
+  py::tuple take() { return to_python(take_parts()); }
 
  private:
   void flush_locked() {

@@ -1,6 +1,6 @@
 // The monitor's native module (nanscan._C): its Python surface, declared in nanscan/_C.pyi. The parts
 // live in one header each -- rows.h, window.h (+ streams.h), walk.h, hooks.h, grad_sink.h,
-// tensor_set.h, read_helpers.h; stamp_rows.cpp is the compiled path's op -- and this file binds them.
+// tensor_set.h, lean_read.h, read_helpers.h; stamp_rows.cpp is the compiled path's op -- and this file binds them.
 //
 // The eager forward hooks in C++, and the read window they record into.
 //
@@ -54,8 +54,13 @@
 //     set_post_only(flags): modules hooked by post alone (it does their pre() work first)
 //     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
 //     owner.model_loss(output) are called back for the rare events
+//   LeanRead(window, sink, params, hooks): a read's takes and its clean test in one call (Note [a
+//     clean read in one call], lean_read.h); take(grads, sink_generation) -> None / True / [present
+//     parameter indices] when clean, else (window.take(), sink.take() or None, grad_records() or
+//     None); finishing_ns: the last take's time spent finishing records
 #include "grad_sink.h"
 #include "hooks.h"
+#include "lean_read.h"
 #include "read_helpers.h"
 #include "rows.h"
 #include "tensor_set.h"
@@ -164,4 +169,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("root_outputs", &Hooks::root_outputs)
       .def_readwrite("record_grads", &Hooks::record_grads)
       .def_readwrite("root_late", &Hooks::root_late);
+
+  py::class_<LeanRead, std::shared_ptr<LeanRead>>(m, "LeanRead")
+      .def(py::init<std::shared_ptr<Window>, std::shared_ptr<GradSink>, std::shared_ptr<TensorSet>,
+                    std::shared_ptr<Hooks>>(),
+           py::arg("window"), py::arg("sink"), py::arg("params"), py::arg("hooks"))
+      .def("take", &LeanRead::take, py::arg("grads"), py::arg("sink_generation"),
+           "a read's takes and its clean test in one call (Note [a clean read in one call])")
+      .def_readwrite("finishing_ns", &LeanRead::finishing_ns);
 }

@@ -48,23 +48,40 @@ class TensorSet {
     return summarize_many_with(summarize_, tensors_);
   }
 
+  // The gradients' records before any Python object is made of them (LeanRead, read_helpers.h).
+  struct GradRecords {
+    at::Tensor records;             // undefined: no tensor has a gradient
+    bool all = false;               // every tensor has one
+    std::vector<int64_t> present;   // else the indices of those that do
+    std::vector<int64_t> sparse;    // positions among the records of sparse gradients' values
+    std::vector<at::Tensor> grads;  // (kept only when one is sparse: its values)
+  };
+
+  GradRecords grad_records_parts() const {
+    GradRecords out;
+    out.all = existing_grads(tensors_, out.grads, out.present, &out.sparse);
+    if (!out.grads.empty()) out.records = summarize_many_with(summarize_, out.grads);
+    if (out.sparse.empty()) out.grads.clear();
+    return out;
+  }
+
+  // grad_records() of `parts`.
+  static py::tuple to_python(GradRecords&& parts) {
+    if (!parts.records.defined()) return py::make_tuple(py::none(), py::list(), py::none());
+    py::object sparse_values = py::none();
+    if (!parts.sparse.empty()) {
+      py::dict values;
+      for (int64_t k : parts.sparse) values[py::int_(k)] = py::cast(parts.grads[k]);
+      sparse_values = values;
+    }
+    return py::make_tuple(std::move(parts.records),
+                          parts.all ? py::object(py::none()) : py::object(py::cast(parts.present)), sparse_values);
+  }
+
   // (records of the gradients that exist or None if none does; None if every tensor has one, else
   // the indices of those that do; None if none is sparse, else {position among the records: the
   // values summarized}).
-  py::tuple grad_records() const {
-    std::vector<at::Tensor> grads;
-    std::vector<int64_t> present, sparse;
-    const bool all = existing_grads(tensors_, grads, present, &sparse);
-    if (grads.empty()) return py::make_tuple(py::none(), py::list(), py::none());
-    py::object sparse_values = py::none();
-    if (!sparse.empty()) {
-      py::dict values;
-      for (int64_t k : sparse) values[py::int_(k)] = py::cast(grads[k]);
-      sparse_values = values;
-    }
-    return py::make_tuple(summarize_many_with(summarize_, grads),
-                          all ? py::object(py::none()) : py::object(py::cast(present)), sparse_values);
-  }
+  py::tuple grad_records() const { return to_python(grad_records_parts()); }
 
   int64_t size() const { return static_cast<int64_t>(tensors_.size()); }
 

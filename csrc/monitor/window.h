@@ -95,22 +95,40 @@ class Window {
     bytes_ = 0;
   }
 
-  py::tuple take() {
+  // What take() hands over, before any Python object is made of it (LeanRead, lean_read.h,
+  // drops a clean read's without making one).
+  struct Taken {
+    py::list entries;
+    std::vector<at::Tensor> blocks;  // [k, RECORD_SIZE] records, in order
+    std::shared_ptr<Rows> rows;      // null: no C++ row
+  };
+
+  Taken take_parts() {
     flush();
     host_.seal_into(blocks_);
     if (!side_.empty()) side_.join_into_current();  // (the read's stream: the current one now)
-    py::list entries = entries_;
+    Taken taken;
+    taken.entries = entries_;
     entries_ = py::list();
     marks_.take();
     auto rows = std::make_shared<Rows>(std::move(rows_));
     rows_ = Rows();
     rows_.reserve_like(*rows, n_infos_);
+    if (!rows->rows.empty()) taken.rows = std::move(rows);
     known_.clear();
     has_device_ = false;
     ++generation;
+    taken.blocks.swap(blocks_);
+    blocks_.reserve(taken.blocks.size());
+    return taken;
+  }
+
+  // `taken` as take() returns it.
+  py::tuple to_python(Taken&& taken) const {
     py::object proxy = py::none();
-    if (!rows->rows.empty()) {
-      proxy = make_rows_(rows);
+    py::list entries = std::move(taken.entries);
+    if (taken.rows) {
+      proxy = make_rows_(std::move(taken.rows));
       PyObject* marker = marker_.ptr();
       for (Py_ssize_t i = 0, n = PyList_GET_SIZE(entries.ptr()); i < n; ++i) {
         if (PyList_GET_ITEM(entries.ptr(), i) == marker) {
@@ -121,10 +139,11 @@ class Window {
     }
     // The blocks as they are: the read stacks them with its other records in one cat (Copy.start).
     py::list records;
-    for (auto& b : blocks_) records.append(py::cast(std::move(b)));
-    blocks_.clear();
+    for (auto& b : taken.blocks) records.append(py::cast(std::move(b)));
     return py::make_tuple(entries, records, proxy);
   }
+
+  py::tuple take() { return to_python(take_parts()); }
 
   // The entry a live tensor was recorded at in this window (same object, same version), or -1.
   int32_t lookup(const at::Tensor& t) const {

@@ -25,8 +25,10 @@ consumer walks leads to nothing but a little bookkeeping -- which parameter grad
 that the forward was finite (``ModelTensors.note_clean_read``, for the records made after the
 update), the read's scalars into the ledger (``Outcomes.take_extras``): ``Monitor._decided_clean``.
 So the slots of its rows, the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings
-are made only for a read that needs them. A sync read whose records and scalars lie on the CPU is tested in its blocks
-before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`); a read that lands clean
+are made only for a read that needs them. A sync read whose records and scalars lie on the CPU is taken and tested
+in one C++ call before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`; Note [a clean read in
+one call] in csrc/monitor/lean_read.h -- or call by call, tested in its blocks, where that call does not apply: a
+sharded model's parameters); a read that lands clean
 (a device read's count, an async read a read later) is bookkept from its :class:`Copy`
 (``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
 decided so, and so decided whole as before: a read with compiled rows (they are placed among the
@@ -105,7 +107,8 @@ class Clean:
         """The read of ``blocks`` (``[k, RECORD_SIZE]`` records) and ``extras`` (``(name,
         one-element tensor)``) as a :class:`Clean`, or None: a record holds a NaN / Inf, or the
         records or scalars do not all lie on the CPU (a device read is decided on its device:
-        :meth:`Copy.start`)."""
+        :meth:`Copy.start`). (A read taken in one call, the default, is tested there: Note [a
+        clean read in one call] in csrc/monitor/lean_read.h.)"""
         if not _scalars_on_host(extras) or _nonfinite_in_blocks(blocks) != []:  # (None: a block on a device)
             return None
         return cls(step, grad_names, {name: float(e) for name, e in extras} if extras else {})

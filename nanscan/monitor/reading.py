@@ -17,10 +17,16 @@ from typing import Optional
 
 import torch
 
-from nanscan.monitor.readback import Clean, Copy
+from nanscan.monitor import readback
+from nanscan.monitor.readback import Clean, Copy, _scalars_on_host
 from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
 
 __all__ = ["Reading"]
+
+# A sync read that no consumer walks is taken and tested in one C++ call (Note [a clean read in one
+# call] in csrc/monitor/lean_read.h); False takes it call by call and tests its blocks (the
+# benchmark's A/B: benchmarks/read_cost.py).
+TAKEN_IN_ONE_CALL = True
 
 
 def _pairs(marks: bytes) -> list:
@@ -49,6 +55,10 @@ class Reading:
         # total norms clip_grad_norm_ returned since the last read (Note [grad norm before clipping])
         self.clip_norms: list = []
         self.clip_unknown = False  # clipped by a norm other than L2 since the last read
+        self._extension = extension
+        # (nanscan._C.LeanRead, and the parameter set and C++ hooks it was made for: made at the first
+        # read that takes it)
+        self._lean_read = None
 
     def follow_stamps(self, owner: int) -> None:
         """Mark the training window's entries and the gradients with the compiled path's host count
@@ -88,35 +98,48 @@ class Reading:
         decided now and that nothing else needs if it is clean; it comes back as a
         :class:`~nanscan.monitor.readback.Clean` when it is (Note [a clean read is decided without
         a Read])."""
-        slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
-        sink = self.grad_sink.take() if self.grad_sink is not None else None  # (records, meta): the C++ tap
-        if sink is not None and len(sink[1]):
-            blocks.extend(sink[0])
-        self.generation += 1
-        if self.grad_sink is not None:
-            self.grad_sink.generation = self.generation
-        recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
-        # (records only: their Block is made below, when the read is decoded)
-        param_grads = tensors.grad_records() if grads and tensors.named_params else None
-        if param_grads is not None:
-            blocks.append(param_grads[0])
-        hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
         extras = []  # (what, tensor): read with the records, in the same copy
         if isinstance(scale, torch.Tensor) and not final and scalars:
             extras.append(("scale", scale))
         if found_inf is not None:
             extras.append(("found_inf", found_inf))
-        clip_norms, self.clip_norms = self.clip_norms, []
-        if self.clip_unknown and steplog is not None:
-            steplog.clip_norm(step, None)
-        self.clip_unknown = False
-        if clip_norms and scalars and steplog is not None:
-            total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
-                [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
-            extras.append(("clip_norm", total))
+        if self.clip_norms or self.clip_unknown:
+            self._clip_norm(step, extras, scalars, steplog)
+        self.generation += 1
+        recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
+        read_grads = grads and bool(tensors.named_params)
         # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
         used = traced.used
-        if lean and not used:
+        taken = None
+        if (lean and not used and TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
+                and (_scalars_on_host(extras) if extras else readback.DEVICE_DECISION == "cuda")):
+            # Taken and tested in one C++ call (Note [a clean read in one call] in csrc/monitor/lean_read.h).
+            # (No Python call here that a clean read can do without: each is fetched cold.)
+            lean_read = self._lean_read
+            if lean_read is None or lean_read[1] is not tensors.param_set or lean_read[2] is not hooks.cpp:
+                lean_read = self._lean_read = (self._extension.LeanRead(self.window, self.grad_sink,
+                                                                        tensors.param_set, hooks.cpp),
+                                               tensors.param_set, hooks.cpp)
+            taken = lean_read[0].take(read_grads, self.generation)
+            if type(taken) is not tuple:  # clean: which parameter gradients were read
+                names = None if taken is None else (
+                    tensors.param_names if taken is True else [tensors.param_names[k] for k in taken])
+                return Clean(step, names, {name: float(e) for name, e in extras} if extras else {})
+            (slots, blocks, eager_rows), sink, taken_grads = taken
+            param_grads = tensors.grad_records(taken_grads) if read_grads else None
+        else:
+            slots, blocks, eager_rows = self.window.take()  # (blocks: a list of [k, RECORD_SIZE] records)
+            sink = self.grad_sink.take() if self.grad_sink is not None else None  # (records, meta): the C++ tap
+            if self.grad_sink is not None:
+                self.grad_sink.generation = self.generation
+            # (records only: their Block is made below, when the read is decoded)
+            param_grads = tensors.grad_records() if read_grads else None
+            hooks.reset()  # (after the gradients: their inputs are the modules' last calls)
+        if sink is not None and len(sink[1]):
+            blocks.extend(sink[0])
+        if param_grads is not None:
+            blocks.append(param_grads[0])
+        if lean and not used and taken is None:
             clean = Clean.of(step, blocks, extras, param_grads[1] if param_grads is not None else None)
             if clean is not None:
                 return clean
@@ -150,6 +173,18 @@ class Reading:
             copy.stamped = traced.stamped()
             traced.reset()
         return copy
+
+    def _clip_norm(self, step: int, extras: list, scalars: bool, steplog) -> None:
+        """The total norm ``clip_grad_norm_`` returned since the last read, read with the records
+        (Note [grad norm before clipping]); unknown to the step log when a norm other than L2 clipped."""
+        clip_norms, self.clip_norms = self.clip_norms, []
+        if self.clip_unknown and steplog is not None:
+            steplog.clip_norm(step, None)
+        self.clip_unknown = False
+        if clip_norms and scalars and steplog is not None:
+            total = clip_norms[0] if len(clip_norms) == 1 else torch.stack(
+                [n.to(clip_norms[0].device, torch.float64) for n in clip_norms]).pow(2).sum().sqrt()
+            extras.append(("clip_norm", total))
 
     def gather_eval(self, step: int, hooks) -> Optional[Copy]:
         """The copy of an eval forward's window (read at its end), or None when it recorded nothing."""

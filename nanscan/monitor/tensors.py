@@ -163,15 +163,16 @@ class ModelTensors:
                         Block(step, "update", "buffer", [n for n, _, _ in self.named_buffers], tensors,
                               [o for _, _, o in self.named_buffers], input_bad=input_bad), len(tensors))
 
-    def grad_records(self):
+    def grad_records(self, taken: Optional[tuple] = None):
         """The parameter gradients as they are now (final: accumulated, and unscaled if
         ``scaler.unscale_`` ran): ``(records, names, owners, grads)`` of the parameters that have one,
         or None. (The records only: :meth:`grad_block` makes their rows' Block, when a read needs
-        its rows.)"""
+        its rows.) ``taken``: what ``TensorSet.grad_records`` returned already (a read taken in one
+        call: Note [a clean read in one call] in csrc/monitor/lean_read.h)."""
         names, owners = self.param_names, self.param_owners
         sparse = None
         if self.param_set is not None:  # (C++: no Python per parameter)
-            records, present, sparse = self.param_set.grad_records()
+            records, present, sparse = taken if taken is not None else self.param_set.grad_records()
             grads = self.param_tensors  # (a gradient's dtype and shape are its parameter's)
         else:  # sharded: each rank's local shards
             records = None
@@ -230,7 +231,8 @@ class ModelTensors:
         if grad_names is not None:
             self.grads_read[step] = (self.grad_names(grad_names), set())
         self.forward_bad[step] = False
-        self._forget_before(step)
+        if len(self.grads_read) > 6 or len(self.forward_bad) > 6:
+            self._forget_before(step)
 
     def _forget_before(self, step: int) -> None:
         """Steps before the last three are forgotten (looked for once more than six are kept: a
