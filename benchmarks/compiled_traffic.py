@@ -254,7 +254,8 @@ class Observer:
                     update_scheduler(lowering)
                     lowering._nanscan_triton = {"record_kernels": record_kernels(lowering),
                                                 "kernel_groups": _kernel_groups(lowering),
-                                                "bytes_accessed": bytes_accessed(lowering)}
+                                                "bytes_accessed": bytes_accessed(lowering),
+                                                "bytes_by_kind": bytes_by_kind(lowering)}
             return update_scheduler(lowering)
 
         def observed_run_node(lowering, n):
@@ -367,6 +368,7 @@ class Observer:
         g["nanscan_calls"] = nanscan_calls
         g["scheduler_kernel_groups"] = _kernel_groups(lowering)
         g["bytes_accessed"] = bytes_accessed(lowering)
+        g["bytes_by_kind"] = bytes_by_kind(lowering)
         for record in g["record_ops"]:
             for v in record["values"]:
                 v["read_by_generated"] = v["buffer"] in generated_reads
@@ -448,6 +450,41 @@ def bytes_accessed(lowering) -> int:
     tensors it names, which inductor counts as its reads."""
     nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
     return sum(int(node.get_read_write_buffers_sizes()) for node in nodes if not _nanscan_call(node))
+
+
+# The parts of inductor's byte count (bytes_by_kind): extern calls (nanscan's apart), the step's own
+# generated kernels, kernels where records are fused with the step's own nodes and kernels that
+# compute records only -- the last two split by buffer: the step's, or the records' own (partials
+# and records: buffers a record node writes).
+BYTE_KINDS = ("extern", "step", "fused_step", "fused_records", "records_step", "records_records")
+
+
+def bytes_by_kind(lowering) -> dict:
+    """:func:`bytes_accessed` split by :data:`BYTE_KINDS`, buffer by buffer as inductor counts
+    them (each scheduler node's ``get_read_write_buffer_accesses``): where the bytes a watched graph
+    moves beyond the unwatched one's go -- values the step's kernels now write (a recorded tensor
+    that fusion kept in registers), standalone record kernels reading the step's tensors (extern
+    outputs), the records' partials."""
+    from torch._inductor import scheduler as sched
+
+    out = dict.fromkeys(BYTE_KINDS, 0)
+    nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
+    partials = {dep.name for node in nodes for sub in node.get_nodes() if _computes_a_record(sub)
+                for dep in sub.read_writes.writes}
+    for node in nodes:
+        if _nanscan_call(node) or isinstance(node, sched.NopKernelSchedulerNode):
+            continue
+        if isinstance(node, sched.ExternKernelSchedulerNode):
+            out["extern"] += int(node.get_read_write_buffers_sizes())
+            continue
+        record = [_computes_a_record(sub) for sub in node.get_nodes()]
+        if not any(record):
+            out["step"] += int(node.get_read_write_buffers_sizes())
+            continue
+        kind = "fused" if not all(record) else "records"
+        for name, b in node.get_read_write_buffer_accesses(include_reads=True, include_writes=True).items():
+            out[f"{kind}_records" if name in partials else f"{kind}_step"] += int(b)
+    return out
 
 
 def _nanscan_call(snode) -> bool:
@@ -599,9 +636,12 @@ def totals(graphs: list) -> dict:
     out["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(out["generated_record_bytes"].values())
     out["kernel_groups"] = sum(g.get("scheduler_kernel_groups", 0) for g in graphs)
     out["bytes_accessed"] = sum(g.get("bytes_accessed", 0) for g in graphs)
+    out["bytes_by_kind"] = {k: sum(g.get("bytes_by_kind", {}).get(k, 0) for g in graphs) for k in BYTE_KINDS}
     if graphs and all("triton" in g for g in graphs):  # (Note [Triton's fusion, scheduled on the CPU])
         tri = {"kernel_groups": sum(g["triton"]["kernel_groups"] for g in graphs),
                "bytes_accessed": sum(g["triton"].get("bytes_accessed", 0) for g in graphs),
+               "bytes_by_kind": {k: sum(g["triton"].get("bytes_by_kind", {}).get(k, 0) for g in graphs)
+                                 for k in BYTE_KINDS},
                **_summed_record_kernels([g["triton"]["record_kernels"] for g in graphs])}
         tri["record_bytes_read"] = sum(out["op_bytes"].values()) + sum(tri["generated_record_bytes"].values())
         out["triton"] = tri
@@ -762,6 +802,15 @@ def title(result: dict) -> str:
             + (f"; lowered {c['lowering']}" if c.get("lowering") else ""))
 
 
+BY_KIND_LABEL = ("... of which extern calls / the step's own kernels / kernels with records fused in: the step's "
+                 "buffers + the records' / record kernels: the step's buffers + the records'")
+
+
+def _by_kind(b: dict) -> str:
+    return (f"{_mib(b['extern'])} / {_mib(b['step'])} / {_mib(b['fused_step'])} + {_mib(b['fused_records'])} / "
+            f"{_mib(b['records_step'])} + {_mib(b['records_records'])}")
+
+
 def table(result: dict) -> str:
     """Markdown: one row per number, unwatched and watched side by side; then the extern producers."""
     u, w = result["unwatched"], result["watched"]
@@ -795,6 +844,7 @@ def table(result: dict) -> str:
         lambda r, t: _mib(t["record_bytes_read"]))
     row("MiB the graphs' kernels read and write, inductor's count (`num_bytes_accessed`, nanscan's calls apart)",
         lambda r, t: _mib(t["bytes_accessed"]))
+    row(BY_KIND_LABEL, lambda r, t: _by_kind(t["bytes_by_kind"]))
     if "triton" in tw and "triton" in tu:  # Note [Triton's fusion, scheduled on the CPU]
         row("*Triton's scheduler, estimated from this lowering:* generated kernels (fused scheduler nodes)",
             lambda r, t: str(t["triton"]["kernel_groups"]))
@@ -805,6 +855,7 @@ def table(result: dict) -> str:
         row("... **MiB read for the records**", lambda r, t: _mib(t["triton"]["record_bytes_read"]))
         row("... MiB the graphs' kernels read and write, inductor's count",
             lambda r, t: _mib(t["triton"]["bytes_accessed"]))
+        row("... " + BY_KIND_LABEL, lambda r, t: _by_kind(t["triton"]["bytes_by_kind"]))
         row("(the C++ scheduler's generated kernels, for comparison)", lambda r, t: str(t["kernel_groups"]))
     row("... distinct tensors / MiB (a tensor read by several ops once)",
         lambda r, t: f"{t['distinct']['records']} / {_mib(t['distinct']['bytes'])}")

@@ -149,7 +149,13 @@ def test_inductors_byte_count(result):
     for variant in ("unwatched", "watched"):
         graphs = result[variant]["graphs"]
         assert result[variant]["totals"]["bytes_accessed"] == sum(g["bytes_accessed"] for g in graphs) > 0
-    assert "inductor's count" in ct.table(result)
+        for g in graphs:  # split by kernel kind, buffer by buffer: the parts make the whole
+            assert sum(g["bytes_by_kind"].values()) == g["bytes_accessed"], (variant, g["kind"])
+    u = result["unwatched"]["totals"]["bytes_by_kind"]
+    # unwatched: no record anywhere; the forward's addmm calls are extern, tanh a kernel of the step
+    assert u["extern"] > 0 and u["step"] > 0
+    assert u["fused_step"] == u["fused_records"] == u["records_step"] == u["records_records"] == 0
+    assert "inductor's count" in ct.table(result) and "the step's own kernels" in ct.table(result)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +224,14 @@ def test_triton_schedule_of_the_same_lowering(fused_result):
     # the records' kernels are kernels too: inductor counts more bytes watched than unwatched
     for sched in (lambda t: t, lambda t: t["triton"]):
         assert sched(w)["bytes_accessed"] > sched(result["unwatched"]["totals"])["bytes_accessed"] > 0
+        # ... split by kind: the records' partials are the records' own buffers, in record kernels
+        # or fused ones; what the watched graph moves beyond the unwatched one is in those parts
+        by_kind = sched(w)["bytes_by_kind"]
+        assert sum(by_kind.values()) == sched(w)["bytes_accessed"]
+        assert by_kind["fused_records"] + by_kind["records_records"] > 0
+        assert sched(result["unwatched"]["totals"])["bytes_by_kind"]["records_records"] == 0
+    for g in result["watched"]["graphs"]:
+        assert sum(g["triton"]["bytes_by_kind"].values()) == g["triton"]["bytes_accessed"]
 
 
 def test_kernel_calls_skip_the_kernels_sources():
