@@ -28,13 +28,16 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
   pass of the default variant): what the read's first lines pay because the step between two reads
   evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in five variants: the read decided as by default (``DEVICE_DECISION =
+Each ``n`` is measured in seven variants: the read decided as by default (``DEVICE_DECISION =
 "cuda"``, sync mode: a clean read is taken and tested in one C++ call, before any slot, Copy or
 Read is made of it -- Note [a clean read is decided without a Read] in
 nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h); the
 same read taken call by call and tested in its blocks (``"blocks"``: the path before that note,
-``reading.TAKEN_IN_ONE_CALL = False``); the same in async mode (``"async"``: a Copy decided in its
-blocks, a read later, then bookkept without a Read: the GPU's clean path); stacked and copied whole
+``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
+(``DEVICE_DECISION = "always"``: one sum of the records where they lie and its 8 bytes copied back),
+taken in one call (``"device"``) and as a Copy (``"device_copy"``: the path before that note); the
+default in async mode (``"async"``: a Copy decided in its blocks a read later, then bookkept without
+a Read: async mode's clean path); stacked and copied whole
 (``"never"``: the read before the clean-read path); and with every part that walks a read's rows
 on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
 no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``). They run
@@ -65,10 +68,12 @@ from nanscan.monitor.tensors import ModelTensors
 
 # variant -> (the decision, the mode, every part that walks the rows on, taken in one call)
 VARIANTS = {"cuda": ("cuda", "sync", False, True), "blocks": ("cuda", "sync", False, False),
+            "device": ("always", "sync", False, True), "device_copy": ("always", "sync", False, False),
             "async": ("cuda", "async", False, True), "never": ("never", "sync", False, True),
             "parts": ("cuda", "sync", True, True)}
-NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks", "async": "async (Copy in blocks)",
-         "never": "stacked, copied whole", "parts": "every part on"}
+NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks", "device": "device path, one call",
+         "device_copy": "device path, as a Copy", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
+         "parts": "every part on"}
 
 
 def _model(layers: int):

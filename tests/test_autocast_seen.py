@@ -72,7 +72,12 @@ def test_no_autocast_is_recorded_as_off_and_the_probe_leaves_no_hook(tmp_path):
 
 def test_accelerate_mixed_precision_bf16_is_recorded(tmp_path):
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
     torch.manual_seed(0)
+    # (accelerate keeps one state per process and refuses another mixed precision: a test before
+    # this one may have made an Accelerator without it)
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)

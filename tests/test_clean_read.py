@@ -73,7 +73,9 @@ def train(model, steps=3, plant=None, **options):
 
 @pytest.mark.parametrize("layers", [4, 60])
 def test_a_clean_step_reads_back_the_count_and_nothing_else(monkeypatch, copies, layers):
+    # (as a Copy: async mode's path on a device; a sync read is taken in one call, next test)
     monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    monkeypatch.setattr(reading, "TAKEN_IN_ONE_CALL", False)
     mon = train(deep(layers))
     assert mon.incidents == [] and mon.ledger.applied == 3
     training = [c for c in copies if c.slots and not c.final]  # (close reads the last update's parameters)
@@ -83,6 +85,17 @@ def test_a_clean_step_reads_back_the_count_and_nothing_else(monkeypatch, copies,
         assert records >= 6 * layers  # (outputs, their gradients, parameters, gradients)
         assert c.device_rows is not None and c.host is None
         assert c.read_back_bytes == 8 * (1 + len(c.extra_names))  # not 8 * RECORD_SIZE * records
+
+
+def test_a_clean_sync_read_decided_on_its_device_is_taken_in_one_call(monkeypatch, copies, cleans):
+    # the device path run on CPU rows: the read taken in one call and its records summed where
+    # they lie (on a GPU the sum's 8 bytes are the read's sync); no Copy or Read is made of it
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    mon = train(deep(4))
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    assert [c.step for c in cleans] == [0, 1, 2]
+    assert not [c for c in copies if not c.final]  # (close reads the last update's parameters: a Copy)
+    assert mon.tensors.grads_read[2] == (mon.tensors.all_param_names, set())
 
 
 def test_on_the_cpu_a_clean_sync_read_is_decided_before_its_slots_are_made(copies, cleans):
@@ -223,8 +236,10 @@ def test_the_one_call_take_returns_what_the_separate_calls_do_when_a_record_is_n
     assert lean.take(True, 1) == [0]  # the first parameter's gradient alone
     params[1].grad = torch.ones(2, 2)
     assert lean.take(True, 1) is True and lean.take(False, 1) is None
+    assert lean.take(True, 1, True) is True  # (summed where the records lie: the device path)
     params[1].grad[0, 1] = float("inf")
     assert lean.finishing_ns >= 0
+    assert type(lean.take(True, 1, True)) is tuple
     taken = lean.take(True, 1)
     (entries, blocks, rows), sink, (records, present, sparse) = taken
     assert entries == [] and blocks == [] and rows is None and sink is None

@@ -11,9 +11,10 @@
 // costs about what it touches, not what it computes (a Python call that takes 0.4 us twice in a row
 // takes 10 us as a read's first, beside a 160-layer model: benchmarks/read_cost.py). LeanRead::take
 // does all of it in C++ and tests the records while they are still in the cache; a clean read
-// leaves nothing to Python but which parameter gradients were read. Anything else -- a record with
-// a NaN / Inf, a block on a device -- comes back as the parts the separate calls return, and the
-// read goes on from there exactly as before.
+// leaves nothing to Python but which parameter gradients were read. On a device the records are
+// tested by one sum there, and the 8 bytes it copies back are the read's one host sync. Anything
+// else -- a record with a NaN / Inf, records on two devices -- comes back as the parts the separate
+// calls return, and the read goes on from there exactly as before.
 #pragma once
 
 #include "hooks.h"
@@ -40,12 +41,15 @@ class LeanRead {
 
   // Everything recorded since the last read, as Reading.gather takes it: the window (in order),
   // the gradient sink (its generation set to `sink_generation`), the parameters' gradients if
-  // `grads`; then the hooks' running calls are forgotten. Clean -- every record on the host, none
-  // with a NaN / +Inf / -Inf count -- it is dropped and what comes back says which parameter
-  // gradients were read: None (not asked, or none exists), True (every one), or the indices of
-  // those that exist. Otherwise the tuple (window.take(), sink.take() or None,
-  // TensorSet.grad_records() or None).
-  py::object take(bool grads, int64_t sink_generation) {
+  // `grads`; then the hooks' running calls are forgotten. Clean -- no record with a NaN / +Inf /
+  // -Inf count -- it is dropped and what comes back says which parameter gradients were read: None
+  // (not asked, or none exists), True (every one), or the indices of those that exist. Otherwise
+  // (a record is not finite, or the records lie on more than one device) the tuple (window.take(),
+  // sink.take() or None, TensorSet.grad_records() or None). Records on the host are tested where
+  // they lie; records on a device (or any, with `on_device`: the tests' way to run that path on the
+  // CPU) by one sum there, whose 8 bytes are the read's one host sync (Note [a clean read comes back
+  // as one number] in nanscan/monitor/readback.py).
+  py::object take(bool grads, int64_t sink_generation, bool on_device = false) {
     const auto start = std::chrono::steady_clock::now();
     Window::Taken window = window_->take_parts();
     GradSink::Taken sink;
@@ -59,8 +63,10 @@ class LeanRead {
     finishing_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
                        .count();
     hooks_->reset();
-    if (clean(window.blocks) && (!sink_ || clean(sink.records)) &&
-        (!param_grads.records.defined() || clean(param_grads.records))) {
+    std::vector<at::Tensor> blocks = window.blocks;  // (handles: the parts stay whole for the way back)
+    blocks.insert(blocks.end(), sink.records.begin(), sink.records.end());
+    if (param_grads.records.defined()) blocks.push_back(param_grads.records);
+    if (clean(blocks, on_device)) {
       if (!param_grads.records.defined()) return py::none();
       if (param_grads.all) return py::bool_(true);
       return py::cast(param_grads.present);
@@ -72,23 +78,36 @@ class LeanRead {
   }
 
  private:
-  // [k, >= 3] float64 records on the host with no NaN / +Inf / -Inf count (nonfinite_rows' test).
-  static bool clean(const at::Tensor& block) {
-    if (!block.device().is_cpu() || block.scalar_type() != at::kDouble || block.dim() != 2 || block.size(1) < 3 ||
-        !block.is_contiguous()) {
-      return false;  // (not decided here: the read decides it as before)
-    }
-    const double* r = block.const_data_ptr<double>();
-    const int64_t width = block.size(1);
-    for (int64_t i = 0, n = block.size(0); i < n; ++i, r += width) {
-      if (r[0] + r[1] + r[2] > 0) return false;
-    }
-    return true;
+  static bool is_records(const at::Tensor& block) {
+    return block.scalar_type() == at::kDouble && block.dim() == 2 && block.size(1) >= 3;
   }
 
-  static bool clean(const std::vector<at::Tensor>& blocks) {
+  // Every record of `blocks` ([k, >= 3] float64) without a NaN / +Inf / -Inf count (nonfinite_rows'
+  // test); false also where that is not decided here (blocks on two devices: the read goes on
+  // as before, and moves them).
+  static bool clean(const std::vector<at::Tensor>& blocks, bool on_device) {
+    if (blocks.empty()) return true;
+    const c10::Device device = blocks.front().device();
     for (const auto& b : blocks) {
-      if (!clean(b)) return false;
+      if (!is_records(b) || b.device() != device) return false;
+    }
+    if (device.is_cpu() && !on_device) {
+      for (const auto& b : blocks) {
+        if (!host_clean(b)) return false;
+      }
+      return true;
+    }
+    // (one cat, one sum, 8 bytes back: the launches and the sync the Copy path makes, without it)
+    const at::Tensor all = blocks.size() == 1 ? blocks.front() : at::cat(blocks);
+    return all.narrow(1, 0, 3).sum().item<double>() == 0;
+  }
+
+  static bool host_clean(const at::Tensor& block) {
+    const at::Tensor rows = block.contiguous();
+    const double* r = rows.const_data_ptr<double>();
+    const int64_t width = rows.size(1);
+    for (int64_t i = 0, n = rows.size(0); i < n; ++i, r += width) {
+      if (r[0] + r[1] + r[2] > 0) return false;
     }
     return true;
   }

@@ -25,11 +25,13 @@ consumer walks leads to nothing but a little bookkeeping -- which parameter grad
 that the forward was finite (``ModelTensors.note_clean_read``, for the records made after the
 update), the read's scalars into the ledger (``Outcomes.take_extras``): ``Monitor._decided_clean``.
 So the slots of its rows, the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings
-are made only for a read that needs them. A sync read whose records and scalars lie on the CPU is taken and tested
-in one C++ call before any of them is made (``Reading.gather(lean=True)``: :class:`Clean`; Note [a clean read in
-one call] in csrc/monitor/lean_read.h -- or call by call, tested in its blocks, where that call does not apply: a
-sharded model's parameters); a read that lands clean
-(a device read's count, an async read a read later) is bookkept from its :class:`Copy`
+are made only for a read that needs them. A sync read whose scalars lie on the CPU (or that has
+none) is taken and tested in one C++ call before any of them is made (``Reading.gather(lean=True)``:
+:class:`Clean`; Note [a clean read in one call] in csrc/monitor/lean_read.h): records on the host
+where they lie, records on a device by the one sum above, its 8 bytes the read's sync -- or call by
+call, as below, where that call does not apply (a sharded model's parameters, a scalar on a
+device); a read that lands clean (a device read's count, an async read a read later) is bookkept
+from its :class:`Copy`
 (``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
 decided so, and so decided whole as before: a read with compiled rows (they are placed among the
 eager ones), one after a step whose forward hooks did not run (the monitor's check of that needs

@@ -24,8 +24,8 @@ from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
 __all__ = ["Reading"]
 
 # A sync read that no consumer walks is taken and tested in one C++ call (Note [a clean read in one
-# call] in csrc/monitor/lean_read.h); False takes it call by call and tests its blocks (the
-# benchmark's A/B: benchmarks/read_cost.py).
+# call] in csrc/monitor/lean_read.h): where its records lie on the host, or by one sum on their device;
+# False takes it call by call and tests it as a Copy (the benchmark's A/B: benchmarks/read_cost.py).
 TAKEN_IN_ONE_CALL = True
 
 
@@ -111,8 +111,9 @@ class Reading:
         # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
         used = traced.used
         taken = None
+        decision = readback.DEVICE_DECISION
         if (lean and not used and TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
-                and (_scalars_on_host(extras) if extras else readback.DEVICE_DECISION == "cuda")):
+                and (_scalars_on_host(extras) if extras else decision != "never")):
             # Taken and tested in one C++ call (Note [a clean read in one call] in csrc/monitor/lean_read.h).
             # (No Python call here that a clean read can do without: each is fetched cold.)
             lean_read = self._lean_read
@@ -120,7 +121,7 @@ class Reading:
                 lean_read = self._lean_read = (self._extension.LeanRead(self.window, self.grad_sink,
                                                                         tensors.param_set, hooks.cpp),
                                                tensors.param_set, hooks.cpp)
-            taken = lean_read[0].take(read_grads, self.generation)
+            taken = lean_read[0].take(read_grads, self.generation, decision == "always")
             if type(taken) is not tuple:  # clean: which parameter gradients were read
                 names = None if taken is None else (
                     tensors.param_names if taken is True else [tensors.param_names[k] for k in taken])
