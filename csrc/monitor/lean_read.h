@@ -8,8 +8,9 @@
 // blocks -- made a Python object of every part (lists of blocks, tuples, the window's rows, the
 // gradients' meta) only to drop it, and every one of those objects and calls is fetched cold: the
 // step between two reads evicts the read's code and data from the caches, so on the host a read
-// costs about what it touches, not what it computes (a Python call that takes 0.4 us twice in a row
-// takes 10 us as a read's first, beside a 160-layer model: benchmarks/read_cost.py). LeanRead::take
+// costs about what it touches, not what it computes (distributed.active(), the read's first call,
+// takes 11.5 us as a read begins beside a 160-layer model and 0.9 us called again at once:
+// benchmarks/read_cost.py, "a cold call"). LeanRead::take
 // does all of it in C++ and tests the records while they are still in the cache; a clean read
 // leaves nothing to Python but which parameter gradients were read. On a device the records are
 // tested by one sum there, and the 8 bytes it copies back are the read's one host sync. Anything
