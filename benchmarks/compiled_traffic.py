@@ -469,8 +469,7 @@ def bytes_by_kind(lowering) -> dict:
 
     out = dict.fromkeys(BYTE_KINDS, 0)
     nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
-    partials = {dep.name for node in nodes for sub in node.get_nodes() if _computes_a_record(sub)
-                for dep in sub.read_writes.writes}
+    partials = _record_buffers(nodes)
     for node in nodes:
         if _nanscan_call(node) or isinstance(node, sched.NopKernelSchedulerNode):
             continue
@@ -525,6 +524,13 @@ def _computes_a_record(snode) -> bool:
     return any(_from_record_op(o) for o in origins)
 
 
+def _record_buffers(nodes) -> set:
+    """The buffers the record nodes among scheduler ``nodes`` write: the records' partials and the
+    records themselves (a record's own intermediates, not the step's tensors)."""
+    return {dep.name for node in nodes for sub in node.get_nodes() if _computes_a_record(sub)
+            for dep in sub.read_writes.writes}
+
+
 def _dep_bytes(dep) -> int:
     try:
         return int(dep.numbytes_hint())
@@ -547,8 +553,7 @@ def record_kernels(lowering) -> dict:
     nodes = getattr(getattr(lowering, "scheduler", None), "nodes", []) or []
     # (the records' own intermediates -- a reduction's scalar read by the record's assembly -- are
     # not reads of the step's tensors)
-    partials = {dep.name for node in nodes for sub in node.get_nodes() if _computes_a_record(sub)
-                for dep in sub.read_writes.writes}
+    partials = _record_buffers(nodes)
     with V.set_graph_handler(lowering):
         for node in nodes:
             if isinstance(node, (sched.NopKernelSchedulerNode, sched.ExternKernelSchedulerNode)):

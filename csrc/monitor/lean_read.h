@@ -19,6 +19,7 @@
 #pragma once
 
 #include "hooks.h"
+#include "read_helpers.h"
 #include "tensor_set.h"
 #include "window.h"
 
@@ -83,9 +84,9 @@ class LeanRead {
     return block.scalar_type() == at::kDouble && block.dim() == 2 && block.size(1) >= 3;
   }
 
-  // Every record of `blocks` ([k, >= 3] float64) without a NaN / +Inf / -Inf count (nonfinite_rows'
-  // test); false also where that is not decided here (blocks on two devices: the read goes on
-  // as before, and moves them).
+  // Every record of `blocks` ([k, >= 3] float64) without a NaN / +Inf / -Inf count (nonfinite_row);
+  // false also where that is not decided here (blocks on two devices: the read goes on as before,
+  // and moves them).
   static bool clean(const std::vector<at::Tensor>& blocks, bool on_device) {
     if (blocks.empty()) return true;
     const c10::Device device = blocks.front().device();
@@ -108,7 +109,7 @@ class LeanRead {
     const double* r = rows.const_data_ptr<double>();
     const int64_t width = rows.size(1);
     for (int64_t i = 0, n = rows.size(0); i < n; ++i, r += width) {
-      if (r[0] + r[1] + r[2] > 0) return false;
+      if (nonfinite_row(r)) return false;
     }
     return true;
   }

@@ -52,6 +52,10 @@ inline std::vector<int64_t> headroom_candidates(const at::Tensor& host, const at
   return out;
 }
 
+// A record row (its first three fields: the NaN / +Inf / -Inf counts) holds a non-finite element:
+// the one test of a row, wherever a read makes it (here, LeanRead in lean_read.h).
+inline bool nonfinite_row(const double* r) { return r[0] + r[1] + r[2] > 0; }
+
 // Rows i < n of a landed read ([rows, columns] float64 on the host) holding a NaN / +Inf / -Inf
 // count: the rows a read decodes. (One pass in C++ instead of four tensor ops per read.)
 inline std::vector<int64_t> nonfinite_rows(const at::Tensor& host, int64_t n) {
@@ -63,8 +67,7 @@ inline std::vector<int64_t> nonfinite_rows(const at::Tensor& host, int64_t n) {
   const int64_t width = rows.size(1);
   std::vector<int64_t> out;
   for (int64_t i = 0; i < n; ++i) {
-    const double* r = data + i * width;
-    if (r[0] + r[1] + r[2] > 0) out.push_back(i);
+    if (nonfinite_row(data + i * width)) out.push_back(i);
   }
   return out;
 }
