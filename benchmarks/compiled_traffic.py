@@ -106,7 +106,7 @@ from unittest import mock
 import torch
 
 import nanscan
-from nanscan.kernels.stamp_pass import RECORDED, bound_arguments
+from nanscan.kernels.graph_passes import RECORDED, bound_arguments
 
 # The classes of a recorded tensor's producer.
 GENERATED, TEMPLATE, EXTERN, INPUT, COPY, OTHER = ("generated", "template", "extern", "graph input",
@@ -497,7 +497,7 @@ def _recorded(op, args, node=None) -> tuple:
     """(the FX nodes of the values a record op records, whether it is given their records). The
     stamp ops take ``values`` and ``records`` (``Tensor?``) by name in their schema; the summary
     ops read every tensor argument. A stamp given its records whose values the fused records' pass
-    took away (Note [a stamp given its records takes no values] in nanscan/kernels/stamp_pass.py)
+    took away (Note [a stamp given its records takes no values] in nanscan/kernels/graph_passes.py)
     has them in ``node.meta``."""
     positional, kwargs = args
     if "values" not in (a.name for a in op._schema.arguments):

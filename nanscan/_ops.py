@@ -263,11 +263,8 @@ def register_fused_records() -> bool:
     cached = getattr(inductor_decompositions, "fast_random_decomps", None)
     if cached is not None and getattr(cached, "cache_info", None) is not None and cached.cache_info().currsize:
         cached().update(table)
-    # A stamp given its records then takes no values: inductor would realize them for it (Note [a
-    # stamp given its records takes no values] in nanscan/kernels/stamp_pass.py).
-    from nanscan.kernels import stamp_pass
-
-    stamp_pass.install()
+    # (A stamp given its records then takes no values: the post-grad pass nanscan/kernels/
+    # graph_passes.py installs, with the watched graph's, when a monitor traces its hooks.)
     _FUSED_REGISTERED = True
     return True
 

@@ -201,7 +201,7 @@ def test_stamp_writes_the_buffer_named_for_its_owner_and_nothing_once_it_is_drop
 
 
 def test_stamp_given_records_without_their_values_writes_a_row_per_record():
-    # (a compiled graph's stamp: Note [a stamp given its records takes no values], nanscan/kernels/stamp_pass.py)
+    # (a compiled graph's stamp: Note [a stamp given its records takes no values], nanscan/kernels/graph_passes.py)
     from nanscan import _C
 
     buffer, counter = torch.zeros(4, R + 4, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)

@@ -242,6 +242,14 @@ def mark_effects_cacheable() -> None:
         pass
 
 
+def install_graph_passes() -> None:
+    try:
+        from nanscan.kernels import graph_passes
+    except ImportError:  # pragma: no cover - a torch without inductor: nothing partitions there
+        return
+    graph_passes.install()
+
+
 class TracedRows:
     INPUTS, OUTPUTS = INPUTS, OUTPUTS
 
@@ -254,6 +262,9 @@ class TracedRows:
         self.owner = next(_OWNERS)
         self.notes = TraceNotes()  # what dynamo's traces of this monitor's hooks noted
         mark_effects_cacheable()
+        # The records kept out of the partitioner's weighing, and next to their tensors after it
+        # (Note [records the partitioner does not weigh] in nanscan/kernels/graph_passes.py).
+        install_graph_passes()
         # The traced hooks hand the stamp its records from summarize_many, which inductor fuses
         # into its own kernels (Note [records fused into compiled kernels] in nanscan/_ops.py).
         self.fused_records = _ops.register_fused_records()
