@@ -43,6 +43,13 @@ inputs, in the forward and in the backward graph alike: an opaque stamp at the e
 would keep each tensor it reads alive until then. The records are the same records of the same
 tensors: the passes move nodes, and change none.
 
+Not yet with records fused (``NANSCAN_FUSED_RECORDS=1``): their decomposition's nodes moved last
+and back fused worse with their producers on the benchmark GPT (inductor's count of the step's
+bytes 687.83 MiB, where leaving them in place gives 605.13 and the unwatched step 539.69), so a
+joint graph with a decomposed record is left as dynamo traced it. With the opaque ops the step's
+own kernels went from 558.23 to 529.31 MiB (python -m benchmarks.compiled_traffic --rounds 0
+--gpu-lowering, Triton's schedule).
+
 Note [a stamp given its records takes no values]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 With records fused (Note [records fused into compiled kernels] in nanscan/_ops.py) the traced hooks
@@ -130,6 +137,13 @@ def is_record(node: torch.fx.Node) -> bool:
     return getattr(node.meta.get("original_aten"), "namespace", None) == "nanscan"
 
 
+def _decomposed(node: torch.fx.Node) -> bool:
+    """A node of a summary op's decomposition (records fused into inductor's kernels)."""
+    return (node.op == "call_function" and node.target is not operator.getitem
+            and getattr(node.meta.get("original_aten"), "namespace", None) == "nanscan"
+            and getattr(node.target, "namespace", None) != "nanscan")
+
+
 def _is_tangent(node: torch.fx.Node) -> bool:
     # (How AOT autograd names the joint graph's backward inputs; its partitioner tells them so too.)
     return node.op == "placeholder" and "tangents" in str(node.target)
@@ -147,8 +161,8 @@ def forward_records_last(graph: torch.fx.Graph) -> int:
             output = node
         elif _is_tangent(node) or any(i in backward for i in node.all_input_nodes):
             backward.add(node)
-    if output is None:
-        return 0
+    if output is None or any(_decomposed(node) for node in graph.nodes):
+        return 0  # (records fused: left where they are, see the note)
     movable: set = set()
     for node in reversed(graph.nodes):
         if node in backward or not is_record(node):
@@ -239,20 +253,22 @@ _LAST_STAMP = "_nanscan_last_stamp"  # (on inductor's GraphLowering: the stamp l
 
 def lower_stamp_in_order(*args, **kwargs):
     """Inductor's lowering of ``nanscan::stamp`` (Note [stamps run in the order they were traced]):
-    the fallback kernel inductor would make, after the stamp lowered before it in the graph."""
+    the fallback kernel inductor would make, after the stamp lowered before it in the graph. Only
+    the stamp's kernel waits for it: the kernels that compute its records (made here, when the
+    stamp realizes them) stay free to fuse with their producers."""
     from torch._inductor import ir
     from torch._inductor.virtualized import V
 
     graph = V.graph
     first = len(graph.operations)
     ir.FallbackKernel.create(torch.ops.nanscan.stamp.default, *args, **kwargs)
-    made = graph.operations[first:]
+    stamps = [op for op in graph.operations[first:] if getattr(op, "op_overload", None) is torch.ops.nanscan.stamp.default]
     previous = getattr(graph, _LAST_STAMP, None)
-    if previous is not None:
-        for op in made:
-            graph.additional_star_deps[op.get_operation_name()].add(previous.get_name())
-    if made:
-        setattr(graph, _LAST_STAMP, made[-1])
+    for stamp in stamps:
+        if previous is not None:
+            graph.additional_star_deps[stamp.get_operation_name()].add(previous.get_name())
+        previous = stamp
+    setattr(graph, _LAST_STAMP, previous)
     return None
 
 
