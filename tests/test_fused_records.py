@@ -7,7 +7,6 @@ kernel with no call of the op, the op stays opaque where the decomposition is no
 registration after the process's first compile still takes effect, and a watched compiled model's
 records are fused into its kernels with the same incident as eager."""
 import contextlib
-import operator
 import re
 
 import pytest

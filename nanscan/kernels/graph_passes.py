@@ -262,7 +262,8 @@ def lower_stamp_in_order(*args, **kwargs):
     graph = V.graph
     first = len(graph.operations)
     ir.FallbackKernel.create(torch.ops.nanscan.stamp.default, *args, **kwargs)
-    stamps = [op for op in graph.operations[first:] if getattr(op, "op_overload", None) is torch.ops.nanscan.stamp.default]
+    stamp_op = torch.ops.nanscan.stamp.default
+    stamps = [op for op in graph.operations[first:] if getattr(op, "op_overload", None) is stamp_op]
     previous = getattr(graph, _LAST_STAMP, None)
     for stamp in stamps:
         if previous is not None:
