@@ -53,7 +53,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtensio
 
 SOURCES_CPU = ["csrc/nanscan.cpp", "csrc/refusals.cpp", "csrc/cpu/summarize.cpp", "csrc/monitor/module.cpp",
                "csrc/monitor/stamp_rows.cpp"]
-SOURCES_CUDA = ["csrc/cuda/summarize.cu"]  # #includes csrc/cuda/reduce.cuh and csrc/cuda/kernels.cuh
+SOURCES_CUDA = ["csrc/cuda/summarize.cu",  # #includes csrc/cuda/reduce.cuh and csrc/cuda/kernels.cuh
+                "csrc/cuda/stamp_rows.cu"]
 # Every header under csrc/. With ninja (the default) torch forces the build and ninja follows the
 # compilers' own header dependencies; without it, setuptools skips the extension unless a file of
 # sources + depends is newer than the library, so a header-only edit needs them listed here.

@@ -14,10 +14,11 @@ reference   (no op: plain PyTorch)                     nanscan/kernels/reference
 ==========  =========================================  ==========================================
 
 ``nanscan::stamp_rows_`` is not a summary: the monitor's compiled path writes the records of one
-hook into rows of its buffer with it (one graph node per hook; csrc/monitor/stamp_rows.cpp, one
-composite kernel for every device). ``nanscan::stamp`` does the same into a buffer named by
-``nanscan._C.set_stamp_target`` -- the op the traced hooks call (effectful: kept by the compiler,
-in order; see csrc/monitor/stamp_rows.cpp for why the buffer is not an argument).
+hook into rows of its buffer with it (one graph node per hook; csrc/monitor/stamp_rows.cpp: one
+pass on the CPU, one launch on CUDA -- csrc/cuda/stamp_rows.cu --, ATen ops on other devices).
+``nanscan::stamp`` does the same into a buffer named by ``nanscan._C.set_stamp_target`` -- the op
+the traced hooks call (effectful: kept by the compiler, in order; see csrc/monitor/stamp_rows.cpp
+for why the buffer is not an argument).
 
 The library is loaded at ``import nanscan`` (a dlopen and a few registrations). When it is missing
 or stale the import still succeeds, the error is kept, and it is raised -- loudly, with the fix --

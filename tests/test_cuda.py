@@ -591,3 +591,42 @@ def test_modules_on_unjoined_side_streams_are_read_after_they_are_written(mode):
             opt.zero_grad()
     first = mon.incidents[0]
     assert (first.step, first.phase, first.name, first.kind, first.produced) == (1, "forward", "a", "activation", True)
+
+
+@CUDA_KERNEL
+def test_stamp_rows_cuda_kernel_writes_what_the_aten_ops_write_in_one_launch():
+    """csrc/cuda/stamp_rows.cu: a stamp's rows in one launch (the ATen ops were six), the same cells
+    bit for bit on every layout (a float32 buffer takes the ops); and captured in a CUDA graph, each
+    replay stamps the rows again with the counter moved on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.test_ops import stamp_rows_layouts, written_with_ops
+
+    r = nanscan.RECORD_SIZE
+    for buffer, counter, records, first in stamp_rows_layouts("cuda"):
+        want_buffer, want_counter = buffer.clone(), counter.clone()
+        written_with_ops(want_buffer, want_counter, records.clone(), first)
+        torch.ops.nanscan.stamp_rows_(buffer, counter, [], records, first, 0, "")
+        assert torch.equal(counter, want_counter)
+        torch.testing.assert_close(buffer, want_buffer, rtol=0, atol=0, equal_nan=True)
+    buffer, counter, records, first = stamp_rows_layouts("cuda")[0]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.ops.nanscan.stamp_rows_(buffer, counter, [], records, first, 0, "")
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert [n for n in names if n.startswith("aten::")] == [] and sum("stamp_rows_kernel" in n for n in names) == 1
+    buffer, counter = torch.zeros(4, r + 4, dtype=torch.float64, device="cuda"), torch.zeros(1, dtype=torch.float64,
+                                                                                             device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            torch.ops.nanscan.stamp_rows_(buffer, counter, [], records, 1, 0, "")
+    torch.cuda.synchronize()
+    buffer.zero_(), counter.zero_()
+    graph.replay(), graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(buffer[1:4, :r], records, rtol=0, atol=0, equal_nan=True)
+    assert buffer[1:4, r].tolist() == [4.0, 5.0, 6.0] and buffer[1:4, r + 1].tolist() == [2.0, 2.0, 2.0]
+    assert counter.item() == 6.0 and buffer[0].abs().sum().item() == 0.0

@@ -394,3 +394,61 @@ def test_what_no_kernel_reads_is_refused_by_every_op_with_the_reason(op_name):
     for x, message in refused:
         with pytest.raises(TypeError, match=f"nanscan.{op_name}: {message}"):
             CALLS[op_name]([torch.ones(2), x])
+
+
+def written_with_ops(buffer, counter, records, first_row):
+    """What ``stamp_rows_`` writes, as the ATen ops that wrote it before its CPU and CUDA kernels."""
+    n, width = records.shape
+    block = buffer[first_row:first_row + n]
+    block[:, :width] = records
+    block[:, width] = torch.arange(1, n + 1, dtype=counter.dtype, device=counter.device) + counter
+    if buffer.shape[1] > width + 1:
+        block[:, width + 1] += 1
+    counter += n
+
+
+def stamp_rows_layouts(device):
+    """(buffer, counter, records, first_row): a plain buffer, one with no column for the writes, a
+    strided buffer (a column slice of a wider one), transposed records, a negated view, float32."""
+    def base(rows, cols, dtype=torch.float64):
+        return torch.rand(rows, cols, dtype=dtype, device=device) * 4
+    records = torch.randn(3, R, dtype=torch.float64, device=device)
+    records[1, 2] = float("nan")
+    return [(base(6, R + 4), torch.full((1,), 4.0, dtype=torch.float64, device=device), records, 2),
+            (base(3, R + 1), torch.full((1,), 0.0, dtype=torch.float64, device=device), records, 0),
+            (base(5, R + 9)[:, 3:3 + R + 2], torch.full((1,), 7.0, dtype=torch.float64, device=device), records, 1),
+            (base(4, R + 4), torch.full((1,), 2.0, dtype=torch.float64, device=device),
+             records.t().contiguous().t(), 1),
+            (base(4, R + 4), torch.full((1,), 2.0, dtype=torch.float64, device=device), torch._neg_view(records), 0),
+            (base(4, R + 4, torch.float32), torch.full((1,), 2.0, device=device), records.float(), 1)]
+
+
+def test_stamp_rows_kernel_writes_what_the_aten_ops_write():
+    """The CPU kernel writes a stamp's rows in one pass (the ATen ops were six calls a stamp): the
+    same cells, bit for bit, on every layout; a float32 buffer takes the ops."""
+    for buffer, counter, records, first in stamp_rows_layouts("cpu"):
+        want_buffer, want_counter = buffer.clone(), counter.clone()
+        written_with_ops(want_buffer, want_counter, records.clone(), first)
+        torch.ops.nanscan.stamp_rows_(buffer, counter, [], records, first, 0, "")
+        assert torch.equal(counter, want_counter)
+        torch.testing.assert_close(buffer, want_buffer, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_stamp_given_its_records_calls_no_aten_op():
+    """What a compiled graph's stamp costs the host beyond its own call: nothing through the dispatcher
+    but ``stamp_rows_`` (the write is one kernel: csrc/monitor/stamp_rows.cpp, csrc/cuda/stamp_rows.cu)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanscan import _C
+
+    buffer, counter = torch.zeros(4, R + 4, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    records = torch.arange(2 * R, dtype=torch.float64).reshape(2, R)
+    _C.set_stamp_target(4244, buffer, counter)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.ops.nanscan.stamp([], records, 4244, 1, "")
+    finally:
+        _C.set_stamp_target(4244, None, None)
+        _C.drop_stamp_count(4244)
+    assert sorted(e.name for e in prof.events()) == ["nanscan::stamp", "nanscan::stamp_rows_"]
+    assert torch.equal(buffer[1:3, :R], records) and buffer[1:3, R].tolist() == [1.0, 2.0] and counter.item() == 2.0

@@ -22,7 +22,10 @@
 // when another backend than the default kernels summarizes, or when a value lives on another
 // device. `owner` and `labels` are not used here: the fake kernel (nanscan/_ops.py) hands them,
 // with the values' dtypes and shapes, to the monitor when the graph is traced -- the one moment
-// Python runs -- so nothing else is noted per hook. One composite kernel serves every device.
+// Python runs -- so nothing else is noted per hook. The write is one pass on the CPU (below) and one
+// launch on CUDA (csrc/cuda/stamp_rows.cu) -- as ATen ops it was 29 calls through the dispatcher and
+// six launches a stamp, host time on every hook of a compiled step and six nodes of a CUDA graph;
+// every other device (meta included) takes the ops (stamp_rows.h).
 //
 // nanscan::stamp : the same write, into the buffer and counter named for `owner` -- the op the
 // monitor's traced hooks call. They are not arguments: a buffer the compiler sees mutated costs a
@@ -52,6 +55,7 @@
 #include <torch/library.h>
 
 #include "../inputs.h"
+#include "stamp_rows.h"
 
 #include <atomic>
 #include <memory>
@@ -62,14 +66,13 @@
 
 namespace nanscan {
 
-void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
-                 const c10::optional<at::Tensor>& given, int64_t first_row, int64_t /*owner*/,
-                 c10::string_view /*labels*/) {
+at::Tensor records_to_stamp(const at::Tensor& buffer, const at::Tensor& counter, at::TensorList values,
+                            const c10::optional<at::Tensor>& given, int64_t first_row) {
   at::Tensor records;
   if (given.has_value() && given->defined()) {
     records = *given;
   } else {
-    if (values.empty()) return;
+    if (values.empty()) return at::Tensor();
     check_one_device(values, "nanscan.stamp_rows_");
     static auto many = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("nanscan::summarize_many", "")
@@ -90,13 +93,53 @@ void stamp_rows_(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
   TORCH_CHECK(buffer.scalar_type() == records.scalar_type() && counter.scalar_type() == records.scalar_type(),
               "nanscan.stamp_rows_: buffer, counter and records must have one dtype, got ", buffer.scalar_type(), ", ",
               counter.scalar_type(), " and ", records.scalar_type());
-  if (n == 0) return;
+  if (records.is_neg()) records = records.resolve_neg();  // (the kernels read memory as it is)
+  return n == 0 ? at::Tensor() : records;
+}
+
+void write_rows_with_ops(at::Tensor& buffer, at::Tensor& counter, const at::Tensor& records, int64_t first_row) {
+  const int64_t n = records.size(0), width = records.size(1);
   at::Tensor block = buffer.narrow(0, first_row, n);
   block.narrow(1, 0, width).copy_(records);
   block.select(1, width).copy_(at::arange(1, n + 1, counter.options()).add_(counter.reshape({1})));
   if (buffer.size(1) > width + 1) block.select(1, width + 1).add_(1);
   counter.add_(n);
 }
+
+void stamp_rows_with_ops(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
+                         const c10::optional<at::Tensor>& given, int64_t first_row, int64_t /*owner*/,
+                         c10::string_view /*labels*/) {
+  const at::Tensor records = records_to_stamp(buffer, counter, values, given, first_row);
+  if (records.defined()) write_rows_with_ops(buffer, counter, records, first_row);
+}
+
+namespace {
+// The CPU kernel: the same write in one pass over the rows (a float64 buffer, the monitor's), where
+// the ATen ops were six calls through the dispatcher a stamp.
+void stamp_rows_cpu(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
+                    const c10::optional<at::Tensor>& given, int64_t first_row, int64_t owner,
+                    c10::string_view labels) {
+  if (!buffer.is_cpu() || buffer.scalar_type() != at::kDouble) {
+    return stamp_rows_with_ops(buffer, counter, values, given, first_row, owner, labels);
+  }
+  const at::Tensor records = records_to_stamp(buffer, counter, values, given, first_row);
+  if (!records.defined()) return;
+  const int64_t n = records.size(0), width = records.size(1);
+  const int64_t bs0 = buffer.stride(0), bs1 = buffer.stride(1), rs0 = records.stride(0), rs1 = records.stride(1);
+  const bool writes = buffer.size(1) > width + 1;  // (the column of the row's writes)
+  double* b = buffer.data_ptr<double>() + first_row * bs0;
+  const double* r = records.const_data_ptr<double>();
+  double* c = counter.data_ptr<double>();
+  const double base = *c;
+  for (int64_t k = 0; k < n; ++k) {
+    double* row = b + k * bs0;
+    for (int64_t j = 0; j < width; ++j) row[j * bs1] = r[k * rs0 + j * rs1];
+    row[width * bs1] = base + static_cast<double>(k + 1);
+    if (writes) row[(width + 1) * bs1] += 1;
+  }
+  *c = base + static_cast<double>(n);
+}
+}  // namespace
 
 using StampCount = std::shared_ptr<std::atomic<int64_t>>;  // Note [stamps counted on the host]
 
@@ -156,8 +199,8 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
     // takes no values] in nanscan/kernels/stamp_pass.py): one row per row of records.
     TORCH_CHECK(!values.empty() || records->dim() == 2,
                 "nanscan.stamp: records given without values must be [rows, columns], got ", records->sizes());
-    given = (values.empty() ? *records : records->reshape({static_cast<int64_t>(values.size()), -1}))
-                .to(buffer.device());
+    given = values.empty() ? *records : records->reshape({static_cast<int64_t>(values.size()), -1});
+    if (given->device() != buffer.device()) given = given->to(buffer.device());  // (no call where it is)
   } else {
     // A value on another device than the buffer (model parallelism): summarized where it lives,
     // its record copied over -- here rather than in the traced hook, whose every line dynamo traces.
@@ -173,7 +216,14 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
       given = at::cat(rows);
     }
   }
-  stamp_rows_(buffer, counter, values, given, first_row, owner, labels);
+  // Through the dispatcher: the buffer's device picks the kernel (one write on CPU and CUDA). Given
+  // records, the values are not passed: nothing reads them, and a value on another device would
+  // pick another kernel.
+  static auto rows = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("nanscan::stamp_rows_", "")
+                         .typed<void(at::Tensor&, at::Tensor&, at::TensorList, const c10::optional<at::Tensor>&,
+                                     int64_t, int64_t, c10::string_view)>();
+  rows.call(buffer, counter, given.has_value() ? at::TensorList() : values, given, first_row, owner, labels);
   // (as many rows as stamp_rows_ wrote: one per value, or per row of the given records)
   const int64_t n = given.has_value() ? given->size(0) : static_cast<int64_t>(values.size());
   stamped->fetch_add(n, std::memory_order_relaxed);
@@ -182,6 +232,8 @@ void stamp(at::TensorList values, const c10::optional<at::Tensor>& records, int6
 }  // namespace nanscan
 
 TORCH_LIBRARY_IMPL(nanscan, CompositeExplicitAutograd, m) {
-  m.impl("stamp_rows_", &nanscan::stamp_rows_);
+  m.impl("stamp_rows_", &nanscan::stamp_rows_with_ops);
   m.impl("stamp", &nanscan::stamp);
 }
+
+TORCH_LIBRARY_IMPL(nanscan, CPU, m) { m.impl("stamp_rows_", &nanscan::stamp_rows_cpu); }
