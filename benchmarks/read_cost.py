@@ -45,7 +45,13 @@ in interleaved rounds (one round: ``--steps`` watched steps of each variant, ord
 round); a number is the median over every read of the rounds. The slope per record is (the largest
 ``n``'s value - the smallest's) / (their record difference).
 
-    python -m benchmarks.read_cost [--layers 16 160] [--rounds R] [--steps K] [--json out.json]
+With ``--compiled`` the model is compiled after it is watched (``torch.compile``, aot_eager: the
+compiled path's rows, stamped in the graphs, without inductor's compile time), and two variants run
+instead: the read decided where its rows lie (the default: Note [compiled rows decided where they
+lie] in nanscan/monitor/readback.py) and decoded whole, each written compiled row made a slot (the
+path before that note; ``DEVICE_DECISION = "never"``). Compiling takes seconds a run: use few rounds.
+
+    python -m benchmarks.read_cost [--layers 16 160] [--rounds R] [--steps K] [--compiled] [--json out.json]
 """
 from __future__ import annotations
 
@@ -71,9 +77,14 @@ VARIANTS = {"cuda": ("cuda", "sync", False, True), "blocks": ("cuda", "sync", Fa
             "device": ("always", "sync", False, True), "device_copy": ("always", "sync", False, False),
             "async": ("cuda", "async", False, True), "never": ("never", "sync", False, True),
             "parts": ("cuda", "sync", True, True)}
+# The same model compiled after it is watched (--compiled; aot_eager: the compiled path's rows without
+# inductor's compile time): its read decided where the rows lie (Note [compiled rows decided where
+# they lie] in nanscan/monitor/readback.py), and decoded whole -- every written row made a slot (the
+# path before that note; "never" takes it).
+COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, True), "compiled_whole": ("never", "sync", False, True)}
 NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks", "device": "device path, one call",
          "device_copy": "device path, as a Copy", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
-         "parts": "every part on"}
+         "parts": "every part on", "compiled": "compiled, rows in place", "compiled_whole": "compiled, decoded whole"}
 
 
 def _model(layers: int):
@@ -90,12 +101,13 @@ def _train(model, opt, x, steps: int) -> None:
 
 
 def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False,
-              mode: str = "sync", one_call: bool = True, cold_probe: bool = False) -> dict:
+              mode: str = "sync", one_call: bool = True, cold_probe: bool = False, compiled: bool = False) -> dict:
     """Watch a fresh ``layers``-layer model in ``mode``, train ``steps`` steps (after 2 untimed ones)
     with the read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on);
     per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls;
     ``cold_probe``: also the time of ``distributed.active()`` (four small Python functions) called
-    twice in a row as the read begins -- the first as cold as the read's own first call."""
+    twice in a row as the read begins -- the first as cold as the read's own first call; ``compiled``:
+    the model is compiled after it is watched (aot_eager)."""
     model, opt, x = _model(layers)
     options = {"mode": mode}
     log_dir = None
@@ -112,9 +124,10 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     def timed_read(self, *args, **kwargs):
         finishing.append(0)
         # (the records this read takes: the window's entries, the gradients of module outputs, the
-        # parameter gradients -- every parameter has one here)
+        # parameter gradients -- every parameter has one here; compiled, the rows its graphs stamped)
         window, sink = self.reading.window, self.reading.grad_sink
-        records.append(len(window) + (len(sink) if sink is not None else 0) + len(self.tensors.param_names))
+        records.append(len(window) + (len(sink) if sink is not None else 0) + len(self.tensors.param_names)
+                       + (self.traced.stamped() if self.traced.used else 0))
         if cold_probe:
             t0 = time.perf_counter_ns()
             distributed.active()
@@ -157,6 +170,9 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision, one_call
     try:
         with nanscan.watch(model, opt, **options) as mon:
+            if compiled:
+                torch._dynamo.reset()  # (a model per run: dynamo's recompile limit would leave later runs eager)
+                model = torch.compile(model, backend="aot_eager")
             _train(model, opt, x, 2)
             Monitor._read_and_decide, ModelTensors.grad_records = timed_read, timed(grad_records)
             for cls, take in takes.items():  # (the hooks call C++ directly: only the read's takes come here)
@@ -176,20 +192,22 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     return {"whole_ns": whole, "finishing_ns": finishing, "records": records, "calls": calls, "probes": probes}
 
 
-def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
+def measure(layers=(16, 160), rounds: int = 15, steps: int = 20, compiled: bool = False) -> dict:
+    variants = COMPILED_VARIANTS if compiled else VARIANTS
     results = {}
+    cold = None
     for n in layers:
-        samples = {v: {"whole_ns": [], "finishing_ns": [], "records": [], "calls": []} for v in VARIANTS}
-        order = list(VARIANTS)
+        samples = {v: {"whole_ns": [], "finishing_ns": [], "records": [], "calls": []} for v in variants}
+        order = list(variants)
         for r in range(rounds):
             for variant in (order if r % 2 == 0 else order[::-1]):
-                decision, mode, parts, one_call = VARIANTS[variant]
-                got = run_reads(n, decision, steps, parts=parts, mode=mode, one_call=one_call)
+                decision, mode, parts, one_call = variants[variant]
+                got = run_reads(n, decision, steps, parts=parts, mode=mode, one_call=one_call, compiled=compiled)
                 for k in ("whole_ns", "finishing_ns", "records"):
                     samples[variant][k] += got[k]
-        for variant, (decision, mode, parts, one_call) in VARIANTS.items():
+        for variant, (decision, mode, parts, one_call) in variants.items():
             samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts, mode=mode,
-                                                  one_call=one_call)["calls"]
+                                                  one_call=one_call, compiled=compiled)["calls"]
             if variant == "cuda":  # (a pass of its own: the probe warms what the read calls first)
                 probes = run_reads(n, decision, steps, cold_probe=True)["probes"]
                 cold = {"first_call_us": statistics.median(p[0] for p in probes) / 1e3,
@@ -202,9 +220,10 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20) -> dict:
                 "records": statistics.median(s["records"]), "whole_us": whole, "finishing_us": finishing,
                 "read_and_decision_us": rest, "python_calls": statistics.median(s["calls"]),
                 "reads": len(s["whole_ns"])}
-        results[str(n)]["cold_call"] = cold
+        if cold is not None:
+            results[str(n)]["cold_call"] = cold
     return {"layers": list(layers), "rounds": rounds, "steps": steps, "torch": torch.__version__,
-            "results": results}
+            "variants": list(variants), "results": results}
 
 
 def slopes(result: dict) -> dict:
@@ -212,7 +231,7 @@ def slopes(result: dict) -> dict:
     res = result["results"]
     small, large = res[str(min(result["layers"]))], res[str(max(result["layers"]))]
     out = {}
-    for v in VARIANTS:
+    for v in result.get("variants", VARIANTS):
         records = large[v]["records"] - small[v]["records"]
         out[v] = {k: (large[v][k] - small[v][k]) / records if records else float("nan")
                   for k in ("whole_us", "finishing_us", "read_and_decision_us", "python_calls")}
@@ -223,12 +242,14 @@ def table(result: dict) -> str:
     lines = [f"{'layers':>6} {'records':>8} {'variant':<22} {'whole us':>9} {'records finished us':>20} "
              f"{'read+decision us':>17} {'Python calls':>13}", "-" * 100]
     for n in result["layers"]:
-        for v in VARIANTS:
+        for v in result.get("variants", VARIANTS):
             r = result["results"][str(n)][v]
             lines.append(f"{n:>6} {r['records']:>8.0f} {NAMES[v]:<22} {r['whole_us']:>9.1f} "
                          f"{r['finishing_us']:>20.1f} {r['read_and_decision_us']:>17.1f} {r['python_calls']:>13.0f}")
     for n in result["layers"]:
-        cold = result["results"][str(n)]["cold_call"]
+        cold = result["results"][str(n)].get("cold_call")
+        if cold is None:
+            continue
         lines.append(f"{n:>6} layers: distributed.active() as a read begins {cold['first_call_us']:.1f} us, "
                      f"called again at once {cold['second_call_us']:.1f} us")
     for v, s in slopes(result).items():
@@ -244,11 +265,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json")
+    parser.add_argument("--compiled", action="store_true",
+                        help="the model compiled (aot_eager): its read where the rows lie vs decoded whole")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(tuple(args.layers), args.rounds, args.steps)
-    print(f"read cost: n x Linear(8,8), batch 2, 1 thread, cpu, torch {torch.__version__}, "
-          f"{args.rounds} rounds x {args.steps} steps per variant")
+    result = measure(tuple(args.layers), args.rounds, args.steps, compiled=args.compiled)
+    print(f"read cost: n x Linear(8,8){' compiled (aot_eager)' if args.compiled else ''}, batch 2, 1 thread, cpu, "
+          f"torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps per variant")
     print(table(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -259,3 +259,33 @@ def test_read_cost_prints_each_decisions_parts_and_slope_and_writes_json(tmp_pat
     for n in ("2", "8"):
         cold = result["results"][n]["cold_call"]
         assert cold["first_call_us"] > 0 and cold["second_call_us"] > 0
+
+
+def test_launch_counts_prints_what_a_stamp_asks_of_the_host_with_its_kernel_and_as_aten_ops(tmp_path, capsys):
+    from benchmarks import launch_counts
+
+    cost = launch_counts.stamp_host_cost("cpu", rounds=1, calls=20)
+    # (nanscan::stamp and the stamp_rows_ it calls; the ops: the write's 29 calls besides)
+    assert cost["kernel"]["dispatcher calls"] == 2 and cost["ATen ops"]["dispatcher calls"] > 20
+    assert all(c["us per stamp"] > 0 for c in cost.values())
+    out = tmp_path / "counts.json"
+    assert launch_counts.main(["--device", "cpu", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "kernel      2 dispatcher calls" in printed and "no launches to count" in printed
+    assert set(json.loads(out.read_text())["stamp"]) == {"kernel", "ATen ops"}
+
+
+def test_read_cost_compiled_times_the_read_where_its_rows_lie_against_decoded_whole(tmp_path, capsys):
+    from benchmarks import read_cost
+
+    out = tmp_path / "read.json"
+    assert read_cost.main(["--layers", "2", "--rounds", "1", "--steps", "3", "--compiled", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "compiled, rows in place" in text and "compiled, decoded whole" in text and "compiled (aot_eager)" in text
+    result = json.loads(out.read_text())
+    assert result["variants"] == list(read_cost.COMPILED_VARIANTS)
+    for variant in read_cost.COMPILED_VARIANTS:
+        r = result["results"]["2"][variant]
+        assert r["reads"] == 3 and r["whole_us"] > 0 and r["python_calls"] > 0
+    # (decoded whole, each written compiled row is made a slot: more Python calls a read)
+    assert result["results"]["2"]["compiled"]["python_calls"] < result["results"]["2"]["compiled_whole"]["python_calls"]

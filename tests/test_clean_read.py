@@ -363,3 +363,83 @@ def test_nonfinite_in_blocks_counts_rows_across_blocks():
     assert find([first, second.to("meta")]) is None
     with pytest.raises(RuntimeError, match="float64 host records"):
         find([torch.zeros(2, RECORD_SIZE)])
+
+
+def train_compiled(model, steps=3, plant=None, **options):
+    """``train`` with the model compiled after it is watched (aot_eager: the compiled path's rows
+    without inductor's compile time)."""
+    torch._dynamo.reset()  # (a model per run: else dynamo's recompile limit leaves later runs eager)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = nanscan.watch(model, opt, on_nonfinite="record", **options)
+    compiled = torch.compile(model, backend="aot_eager")
+    with mon:
+        for i in range(steps):
+            if plant is not None:
+                plant(model, i, None)
+            loss = compiled(torch.randn(4, 8)).pow(2).mean()
+            if plant is not None:
+                loss = plant(model, i, loss)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    return mon
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_clean_compiled_read_comes_back_as_its_count_and_whether_graphs_ran(monkeypatch, copies, mode):
+    """Note [compiled rows decided where they lie]: no compiled row is decoded into a slot (Python
+    per row) for a clean read no consumer walks; the host copies back the count, the scalars and the
+    largest sequence number."""
+    from nanscan.monitor.traced import TracedRows
+
+    decoded = []
+    slots = TracedRows.slots
+    monkeypatch.setattr(TracedRows, "slots", lambda self, *a, **k: decoded.append(a) or slots(self, *a, **k))
+    mon = train_compiled(deep(4), steps=4, mode=mode)
+    assert mon.incidents == [] and mon.ledger.applied == 4
+    training = [c for c in copies if c.n_traced and not c.final]
+    assert len(training) == 4
+    assert [written for written, *_ in decoded] == [[]]  # (only close's read: no graph ran after the last one)
+    for c in training:
+        assert c.device_rows is not None and c.host is None and c.traced is None and c.compiled_ran
+        assert c.read_back_bytes == 8 * (2 + len(c.extra_names))
+    assert mon.tensors.grads_read[3] == (mon.tensors.all_param_names, set())
+    assert mon.tensors.forward_bad[3] is False
+
+
+@pytest.mark.parametrize("plant", [_activation, _loss, _gradient, _param_grad])
+def test_a_nonfinite_compiled_row_gives_the_same_incident_as_the_whole_read(monkeypatch, copies, plant):
+    results = {}
+    for where in ("never", "cuda"):
+        monkeypatch.setattr(readback, "DEVICE_DECISION", where)
+        copies.clear()
+        mon = train_compiled(deep(6), steps=4, plant=plant)
+        results[where] = ([key(i) for i in mon.incidents], dict(mon.offenders), mon.ledger.applied)
+        if where == "cuda":
+            assert [c for c in copies if c.bad and c.n_traced and c.device_rows is not None]
+            assert all(c.traced is None for c in copies if c.n_traced and not c.bad and not c.final)
+    assert results["never"][0], "the planted fault was not found"
+    assert results["never"] == results["cuda"]
+
+
+def test_compiled_rows_not_written_in_the_window_do_not_count():
+    """An unwritten row (sequence number 0) keeps the record of an earlier window: its counts are
+    not this read's. A written one's are, and the rows then come back decoded as a whole read's."""
+    from nanscan.monitor.traced import COLUMNS, SEQ
+
+    records = torch.zeros(2, RECORD_SIZE, dtype=torch.float64)
+    window = torch.zeros(4, COLUMNS, dtype=torch.float64)
+    window[1, 0] = 3.0  # (a NaN count left by an earlier window: not written in this one)
+    window[2, SEQ] = 1.0  # (written, finite)
+    copy = readback.Copy.start([records], ["a", "b"], [], window, handled=False, step=0, non_blocking=False,
+                               window_rows=4, rows_wanted=False)
+    copy.wait()
+    assert copy.clean and copy.compiled_ran and copy.traced is None and copy.read_back_bytes == 16
+    window[2, 1] = 1.0  # (the written row holds a +Inf)
+    copy = readback.Copy.start([records], ["a", "b"], [], window, handled=False, step=0, non_blocking=False,
+                               window_rows=4, rows_wanted=False)
+    window[:, SEQ] = 0  # (the read resets the window before it lands: the rows it fetches are a copy)
+    copy.wait()
+    # (the eager rows' verdict, and the compiled rows written, for Read.land to judge as a whole read's)
+    assert not copy.clean and copy.bad == set() and [row for row, _ in copy.traced[0]] == [2]
+    assert copy.traced[0][0][1][1] == 1.0

@@ -612,10 +612,11 @@ class Monitor(Results):
         if copy.clean and not self.outcomes.rows_wanted:
             if copy.eval:  # (an eval forward's clean read: nothing to note, judge or agree on)
                 return
-            if (copy.recorded_forward or not self.activations) and not distributed.active():
+            if (copy.recorded_forward or copy.compiled_ran or not self.activations) and not distributed.active():
                 grads = copy.slots[copy.grad_start].names if copy.grad_start is not None else None
                 self._decided_clean(copy.step, grads, copy.extras)
                 return
+            copy.decode_compiled()  # (Note [compiled rows decided where they lie])
         read = Read.land(copy, self.traced, link_compiled_weights=self.compiled_grads or self.traced.grad_hooks)
         if read.training:
             self._check_hooks_ran(read)

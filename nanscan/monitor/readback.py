@@ -7,8 +7,8 @@ long done). Only the rows holding a non-finite element are turned into Python fl
 costs the same few tensor ops whatever the number of records.
 
 Note [a clean read comes back as one number]: on a GPU, when no consumer of the read needs its rows
-(no step log, telemetry, spike or headroom check, no compiled rows to place), the rows stay on the
-device: one reduction there -- the sum of every row's NaN / +Inf / -Inf counts, the same test as
+(no step log, telemetry, spike or headroom check), the rows stay on the device: one reduction
+there -- the sum of every row's NaN / +Inf / -Inf counts, the same test as
 ``nonfinite_rows`` -- and the read's scalars (loss scale, ``found_inf``, clip norm) are what the
 host copies back, ``8 * (1 + scalars)`` bytes whatever the number of records. Only when that sum
 is not 0 are the full rows copied (a failing step: a second copy, in a read that is about to
@@ -33,11 +33,22 @@ call, as below, where that call does not apply (a sharded model's parameters, a 
 device); a read that lands clean (a device read's count, an async read a read later) is bookkept
 from its :class:`Copy`
 (``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
-decided so, and so decided whole as before: a read with compiled rows (they are placed among the
-eager ones), one after a step whose forward hooks did not run (the monitor's check of that needs
-the rows), and any training read while ``torch.distributed`` runs more than one rank (the ranks
-agree on the incident to report, and another rank's may be this read's). The A/B, and what it
-costs: ``benchmarks/read_cost.py``.
+decided so, and so decided whole as before: a read after a step whose forward ran neither the eager
+hooks nor a compiled graph's stamps (the monitor's check of that needs the rows), and any training
+read while ``torch.distributed`` runs more than one rank (the ranks agree on the incident to report,
+and another rank's may be this read's). The A/B, and what it costs: ``benchmarks/read_cost.py``.
+
+Note [compiled rows decided where they lie]: a read with the compiled path's rows is decided the
+same way, where the rows lie (on the CPU too: it is a few tensor ops, where decoding every written
+row into a slot was Python per row), by one more term and one more number: the NaN / +Inf / -Inf
+counts of the compiled rows written in the window (sequence number > 0: an unwritten row keeps an
+earlier window's record) join the sum, and the largest sequence number comes back after the scalars
+-- whether compiled graphs wrote rows in this read (``Copy.compiled_ran``: the forward ran, for the
+hooks' check). The count covers every written row, so a read it calls clean has no row the whole
+read would call non-finite; when it is not 0, the rows are fetched and decoded exactly as a whole
+read decodes them (``Copy._decode``), and so are a clean read's where a ``Read`` is still made
+(``Copy.decode_compiled``). Only the compiled rows' placing among the eager records -- an
+incident's business -- is left undone for a clean read.
 
 ``DEVICE_DECISION`` picks the path: ``"cuda"`` (default) -- on the device for rows on a GPU, in
 blocks for rows on the CPU --, ``"always"`` (the tests: the device path run on CPU rows), ``"never"``
@@ -143,6 +154,9 @@ class Copy:
         # ``rows`` is then the summary in flight ([non-finite count, scalars...]).
         self.device_rows: Optional[torch.Tensor] = None
         self.read_back_bytes = 0  # what the host copied back (the summary, and the rows if they came)
+        # Compiled graphs wrote rows in this read (decided on the device: from the summary's largest
+        # sequence number; else from the rows, once decoded).
+        self.compiled_ran = False
         # Decided in blocks on the CPU: the records as the windows made them (stacked only if a row
         # is asked for), and the scalars as tensors.
         self.blocks: Optional[list] = None
@@ -151,7 +165,8 @@ class Copy:
 
     @property
     def clean(self) -> bool:
-        """Landed, with nothing non-finite and no compiled rows: nothing in it to attribute or to
+        """Landed, with nothing non-finite and no compiled rows decoded (none, or a read decided on
+        the device: Note [compiled rows decided where they lie]): nothing in it to attribute or to
         place (Note [a clean read is decided without a Read])."""
         return self.landed and not self.bad and self.traced is None
 
@@ -193,11 +208,20 @@ class Copy:
         device = parts[0].device
         parts = [p if p.device == device else p.to(device, non_blocking=True) for p in parts]  # a stray CPU row
         rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if rows is traced:  # (the buffer itself: the read resets it before the rows are copied or fetched)
+            rows = rows.clone()
         device_rows = None
-        if not rows_wanted and traced is None and _decided_on_device(rows):
-            n = len(slots)  # (the records; the scalars' rows follow them)
+        if not rows_wanted and (_decided_on_device(rows) if traced is None else DEVICE_DECISION != "never"):
+            n, e = len(slots), len(names)  # (the records; the scalars' rows follow them, then the compiled rows)
             device_rows = rows
-            rows = torch.cat([rows[:n, :3].sum().reshape(1), rows[n:, 0]])
+            count = rows[:n, :3].sum()
+            if traced is None:
+                rows = torch.cat([count.reshape(1), rows[n:, 0]])
+            else:  # Note [compiled rows decided where they lie]
+                compiled = rows[n + e:]
+                written = compiled[:, SEQ] > 0
+                count = count + torch.where(written, compiled[:, :3].sum(1), 0).sum()
+                rows = torch.cat([count.reshape(1), rows[n:n + e, 0], compiled[:, SEQ].amax().reshape(1)])
         event = None
         if rows.is_cuda and non_blocking:
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
@@ -228,15 +252,29 @@ class Copy:
             return
         host = self.rows.cpu()
         self.read_back_bytes = host.numel() * host.element_size()
-        n, e = len(self.slots), len(self.extra_names)
-        if self.device_rows is not None:  # decided on the device: [non-finite count, scalars...]
+        e = len(self.extra_names)
+        if self.device_rows is not None:  # decided on the device: [non-finite count, scalars..., (largest seq)]
             summary = host.tolist()
             if e:
                 self.extras = dict(zip(self.extra_names, summary[1:1 + e]))
+            if self.n_traced:
+                self.compiled_ran = summary[1 + e] > 0
             if summary[0] > 0:  # something is non-finite: the rows, to find which
-                self.bad = set(_nonfinite_rows(self._fetch_rows(), n))
+                self._decode(self._fetch_rows())
             return
         self.host = host
+        self._decode(host)
+
+    def decode_compiled(self) -> None:
+        """The compiled rows of a landed read decided on the device, decoded now (Note [compiled
+        rows decided where they lie]): for a clean read that still needs a :class:`~nanscan.monitor.
+        read.Read` (several ranks agree on it; no hook's record says a forward ran)."""
+        if self.n_traced and self.traced is None and self.device_rows is not None:
+            self._decode(self._fetch_rows())
+
+    def _decode(self, host: torch.Tensor) -> None:
+        """The non-finite rows, the scalars and the written compiled rows of the landed ``host`` rows."""
+        n, e = len(self.slots), len(self.extra_names)
         self.bad = set(_nonfinite_rows(host, n))
         if e:
             self.extras = dict(zip(self.extra_names, host[n:n + e, 0].tolist()))
