@@ -101,6 +101,34 @@ def test_a_record_of_two_tensors_goes_after_the_later_one_and_a_record_of_one_af
     assert [node.name for node in graph.nodes] == [a.name, b.name, second.name, c.name, first.name, d.name, "output"]
 
 
+def test_a_records_constant_goes_before_its_first_user_not_where_the_partition_left_it():
+    """A decomposition's constants (a fill, an iota, a node made of those alone) read no value: left
+    at the end of the forward, where the joint pass moved every record, they would hold there each
+    record node that uses them, far from the value it records."""
+    def record(node):
+        node.meta["original_aten"] = torch.ops.nanscan.summarize_many.default
+        return node
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.exp.default, (x,))
+    fill = record(graph.call_function(torch.ops.aten.full.default, ([1], 0.0)))
+    iota = record(graph.call_function(torch.ops.prims.iota.default, (4,), dict(start=0, step=1, dtype=torch.int64,
+                                                                              device=torch.device("cpu"),
+                                                                              requires_grad=False)))
+    both = record(graph.call_function(torch.ops.aten.add.Tensor, (fill, iota)))
+    part = record(graph.call_function(torch.ops.aten.mul.Tensor, (y, both)))
+    z = graph.call_function(torch.ops.aten.sin.default, (y,))
+    w = graph.call_function(torch.ops.aten.cos.default, (z,))
+    graph.output((w, part))
+    for node in (fill, iota, both, part):  # (as the joint pass leaves them: at the end of the forward)
+        graph.output_node().prepend(node)
+    assert graph_passes.records_after_inputs(graph) > 0
+    graph.lint()
+    assert [node.name for node in graph.nodes] == [x.name, y.name, fill.name, iota.name, both.name, part.name,
+                                                   z.name, w.name, "output"]
+
+
 def test_a_decompositions_nodes_are_records_and_the_models_are_not():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -237,21 +265,32 @@ def _passes_uninstalled():
         graph_passes.install = install
 
 
-def test_a_watched_compiled_forward_saves_what_the_unwatched_one_saves():
+@pytest.mark.parametrize("fused", [False, True], ids=["opaque records", "fused records"])
+def test_a_watched_compiled_forward_saves_what_the_unwatched_one_saves(fused):
     unwatched = compiled_forward_saves(watched=False, fused=False)
     assert unwatched["aten.addmm.default"] >= 1, unwatched  # (the up projection's output, written anyway)
-    assert compiled_forward_saves(watched=True, fused=False) == unwatched
+    assert compiled_forward_saves(watched=True, fused=fused) == unwatched
 
 
-def test_a_joint_graph_with_fused_records_is_left_as_traced():
-    """(Not yet: Note [records the partitioner does not weigh].)"""
+def test_a_joint_graphs_fused_records_move_last_and_come_back_with_their_constants():
+    """The decomposition's nodes move with the records (Note [records the partitioner does not
+    weigh]), its constants too, and all come back where dynamo traced them."""
     graph, n = joint_graph_with_records()
+    fill = graph.call_function(torch.ops.aten.full.default, ([1], 0.0))
     part = graph.call_function(torch.ops.aten.amax.default, (n["y"],))
-    part.meta["original_aten"] = torch.ops.nanscan.summarize_many.default
-    n["records"].prepend(part)
-    before = [node.name for node in graph.nodes]
-    assert graph_passes.forward_records_last(graph) == 0
-    assert [node.name for node in graph.nodes] == before
+    both = graph.call_function(torch.ops.aten.maximum.default, (part, fill))
+    for node in (part, fill, both):  # (as traced: the constant just before its user)
+        node.meta["original_aten"] = torch.ops.nanscan.summarize_many.default
+        n["records"].prepend(node)
+    n["records"].args = ([both],)  # (the decomposition's result feeds the op it stands for, here)
+    traced = [node.name for node in graph.nodes]
+    assert graph_passes.forward_records_last(graph) == 6
+    moved = [node.name for node in graph.nodes]
+    assert moved[-7:-1] == [part.name, fill.name, both.name, n["records"].name, n["stamped"].name, n["token"].name]
+    graph.lint()
+    graph_passes.records_after_inputs(graph)
+    graph.lint()
+    assert [node.name for node in graph.nodes] == traced
 
 
 STAMP_CALL = re.compile(r"torch\.ops\.nanscan\.stamp\.default\(.*, (\d+), (\d+), '[^']*'\)\s*$", re.MULTILINE)

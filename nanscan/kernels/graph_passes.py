@@ -43,12 +43,14 @@ inputs, in the forward and in the backward graph alike: an opaque stamp at the e
 would keep each tensor it reads alive until then. The records are the same records of the same
 tensors: the passes move nodes, and change none.
 
-Not yet with records fused (``NANSCAN_FUSED_RECORDS=1``): their decomposition's nodes moved last
-and back fused worse with their producers on the benchmark GPT (inductor's count of the step's
-bytes 687.83 MiB, where leaving them in place gives 605.13 and the unwatched step 539.69), so a
-joint graph with a decomposed record is left as dynamo traced it. With the opaque ops the step's
-own kernels went from 558.23 to 529.31 MiB (python -m benchmarks.compiled_traffic --rounds 0
---gpu-lowering, Triton's schedule).
+With records fused (``NANSCAN_FUSED_RECORDS=1``) the decomposition's nodes move too. Among them are
+constants -- fills and iotas that read no value, and nodes made of those alone --, which go back
+just before their first user, not after their (no) inputs: left at the end of the forward they held
+there every record node that used them, far from the value it records, and inductor fused those
+records worse than left in place (687.83 MiB against 605.13). Moved and back, constants included,
+the step's bytes are 570.08 MiB (unwatched 539.69: the records' cost +30.39, was +65.44 in place);
+with the opaque ops they went from 558.23 to 529.31 MiB (python -m benchmarks.compiled_traffic
+--rounds 0 --gpu-lowering, Triton's schedule: inductor's count, nanscan's calls apart).
 
 Note [a stamp given its records takes no values]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -137,13 +139,6 @@ def is_record(node: torch.fx.Node) -> bool:
     return getattr(node.meta.get("original_aten"), "namespace", None) == "nanscan"
 
 
-def _decomposed(node: torch.fx.Node) -> bool:
-    """A node of a summary op's decomposition (records fused into inductor's kernels)."""
-    return (node.op == "call_function" and node.target is not operator.getitem
-            and getattr(node.meta.get("original_aten"), "namespace", None) == "nanscan"
-            and getattr(node.target, "namespace", None) != "nanscan")
-
-
 def _is_tangent(node: torch.fx.Node) -> bool:
     # (How AOT autograd names the joint graph's backward inputs; its partitioner tells them so too.)
     return node.op == "placeholder" and "tangents" in str(node.target)
@@ -161,8 +156,8 @@ def forward_records_last(graph: torch.fx.Graph) -> int:
             output = node
         elif _is_tangent(node) or any(i in backward for i in node.all_input_nodes):
             backward.add(node)
-    if output is None or any(_decomposed(node) for node in graph.nodes):
-        return 0  # (records fused: left where they are, see the note)
+    if output is None:
+        return 0
     movable: set = set()
     for node in reversed(graph.nodes):
         if node in backward or not is_record(node):
@@ -186,12 +181,24 @@ def records_after_inputs(graph: torch.fx.Graph) -> int:
     if not any(is_record(n) for n in nodes):
         return 0
     key: dict = {}
+    # A record's node that reads no value (a decomposition's constant: a fill, an iota, or made of
+    # those alone) goes just before its first user: left where it was -- at the end of the forward,
+    # after the joint pass -- it would anchor there every record node that uses it, far from the
+    # value that node records (inductor then fused the records worse: 687.83 MiB against 605.13).
+    constants: set = set()
     for place, node in enumerate(nodes):
-        if is_record(node) and node.all_input_nodes:
-            anchor = max(key[i] for i in node.all_input_nodes)
+        inputs = [i for i in node.all_input_nodes if i not in constants]
+        if is_record(node) and not inputs:
+            constants.add(node)
+        elif is_record(node):
+            anchor = max(key[i] for i in inputs)
             key[node] = (anchor[0], place)
         else:
             key[node] = (place, -1)
+    for node in reversed(nodes):  # (its users first: each constant just before the first of them)
+        if node in constants:
+            first = min((key[user] for user in node.users), default=(len(nodes), 0))
+            key[node] = (first[0], first[1] - 0.5)
     order = sorted(nodes, key=key.__getitem__)
     if order == nodes:
         return 0
