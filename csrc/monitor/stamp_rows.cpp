@@ -115,7 +115,7 @@ void stamp_rows_with_ops(at::Tensor& buffer, at::Tensor& counter, at::TensorList
 
 namespace {
 // The CPU kernel: the same write in one pass over the rows (a float64 buffer, the monitor's), where
-// the ATen ops were six calls through the dispatcher a stamp.
+// the ATen ops were 29 calls through the dispatcher a stamp.
 void stamp_rows_cpu(at::Tensor& buffer, at::Tensor& counter, at::TensorList values,
                     const c10::optional<at::Tensor>& given, int64_t first_row, int64_t owner,
                     c10::string_view labels) {
