@@ -53,16 +53,20 @@ def deep(n: int) -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(n)])
 
 
-def train(model, steps=3, plant=None, **options):
+def train(model, steps=3, plant=None, compiled=False, **options):
     """A plain loop; ``plant(model, step, loss)`` may break something: called before the forward
-    (``loss`` None) and after it (it returns the loss to use)."""
+    (``loss`` None) and after it (it returns the loss to use). ``compiled``: the model compiled after
+    it is watched (aot_eager: the compiled path's rows without inductor's compile time)."""
+    if compiled:
+        torch._dynamo.reset()  # (a model per run: else dynamo's recompile limit leaves later runs eager)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = nanscan.watch(model, opt, on_nonfinite="record", **options)
+    forward = torch.compile(model, backend="aot_eager") if compiled else model
     with mon:
         for i in range(steps):
             if plant is not None:
                 plant(model, i, None)
-            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss = forward(torch.randn(4, 8)).pow(2).mean()
             if plant is not None:
                 loss = plant(model, i, loss)
             loss.backward()
@@ -365,26 +369,6 @@ def test_nonfinite_in_blocks_counts_rows_across_blocks():
         find([torch.zeros(2, RECORD_SIZE)])
 
 
-def train_compiled(model, steps=3, plant=None, **options):
-    """``train`` with the model compiled after it is watched (aot_eager: the compiled path's rows
-    without inductor's compile time)."""
-    torch._dynamo.reset()  # (a model per run: else dynamo's recompile limit leaves later runs eager)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = nanscan.watch(model, opt, on_nonfinite="record", **options)
-    compiled = torch.compile(model, backend="aot_eager")
-    with mon:
-        for i in range(steps):
-            if plant is not None:
-                plant(model, i, None)
-            loss = compiled(torch.randn(4, 8)).pow(2).mean()
-            if plant is not None:
-                loss = plant(model, i, loss)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-    return mon
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_clean_compiled_read_comes_back_as_its_count_and_whether_graphs_ran(monkeypatch, copies, mode):
     """Note [compiled rows decided where they lie]: no compiled row is decoded into a slot (Python
@@ -395,7 +379,7 @@ def test_a_clean_compiled_read_comes_back_as_its_count_and_whether_graphs_ran(mo
     decoded = []
     slots = TracedRows.slots
     monkeypatch.setattr(TracedRows, "slots", lambda self, *a, **k: decoded.append(a) or slots(self, *a, **k))
-    mon = train_compiled(deep(4), steps=4, mode=mode)
+    mon = train(deep(4), steps=4, compiled=True, mode=mode)
     assert mon.incidents == [] and mon.ledger.applied == 4
     training = [c for c in copies if c.n_traced and not c.final]
     assert len(training) == 4
@@ -413,7 +397,7 @@ def test_a_nonfinite_compiled_row_gives_the_same_incident_as_the_whole_read(monk
     for where in ("never", "cuda"):
         monkeypatch.setattr(readback, "DEVICE_DECISION", where)
         copies.clear()
-        mon = train_compiled(deep(6), steps=4, plant=plant)
+        mon = train(deep(6), steps=4, plant=plant, compiled=True)
         results[where] = ([key(i) for i in mon.incidents], dict(mon.offenders), mon.ledger.applied)
         if where == "cuda":
             assert [c for c in copies if c.bad and c.n_traced and c.device_rows is not None]

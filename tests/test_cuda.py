@@ -600,15 +600,10 @@ def test_stamp_rows_cuda_kernel_writes_what_the_aten_ops_write_in_one_launch():
     replay stamps the rows again with the counter moved on."""
     from torch.profiler import ProfilerActivity, profile
 
-    from tests.test_ops import stamp_rows_layouts, written_with_ops
+    from tests.test_ops import assert_stamp_rows_write_what_the_ops_write, stamp_rows_layouts
 
     r = nanscan.RECORD_SIZE
-    for buffer, counter, records, first in stamp_rows_layouts("cuda"):
-        want_buffer, want_counter = buffer.clone(), counter.clone()
-        written_with_ops(want_buffer, want_counter, records.clone(), first)
-        torch.ops.nanscan.stamp_rows_(buffer, counter, [], records, first, 0, "")
-        assert torch.equal(counter, want_counter)
-        torch.testing.assert_close(buffer, want_buffer, rtol=0, atol=0, equal_nan=True)
+    assert_stamp_rows_write_what_the_ops_write("cuda")
     buffer, counter, records, first = stamp_rows_layouts("cuda")[0]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
