@@ -28,10 +28,13 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
   pass of the default variant): what the read's first lines pay because the step between two reads
   evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in seven variants: the read decided as by default (``DEVICE_DECISION =
+Each ``n`` is measured in eight variants: the read decided as by default (``DEVICE_DECISION =
 "cuda"``, sync mode: a clean read is taken and tested in one C++ call, before any slot, Copy or
 Read is made of it -- Note [a clean read is decided without a Read] in
-nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h); the
+nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h --, and
+this plain step's read is taken before any other line of the read runs: Note [a clean step's read]
+in nanscan/monitor/monitor.py); the same one call made from inside ``Reading.gather``
+(``"gathered"``: the path before that note, ``monitor.CLEAN_STEP_FIRST = False``); the
 same read taken call by call and tested in its blocks (``"blocks"``: the path before that note,
 ``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
 (``DEVICE_DECISION = "always"``: one sum of the records where they lie and its 8 bytes copied back),
@@ -68,21 +71,26 @@ from torch import nn
 
 import nanscan
 from nanscan import _ops
-from nanscan.monitor import distributed, reading, readback
+from nanscan.monitor import distributed, monitor, reading, readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.tensors import ModelTensors
 
-# variant -> (the decision, the mode, every part that walks the rows on, taken in one call)
-VARIANTS = {"cuda": ("cuda", "sync", False, True), "blocks": ("cuda", "sync", False, False),
-            "device": ("always", "sync", False, True), "device_copy": ("always", "sync", False, False),
-            "async": ("cuda", "async", False, True), "never": ("never", "sync", False, True),
-            "parts": ("cuda", "sync", True, True)}
+# variant -> (the decision, the mode, every part that walks the rows on, how the read is taken: "first"
+# -- a plain clean step's read before the rest of the read, "one_call" -- in one call inside
+# Reading.gather, "blocks" -- call by call)
+VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "gathered": ("cuda", "sync", False, "one_call"),
+            "blocks": ("cuda", "sync", False, "blocks"),
+            "device": ("always", "sync", False, "first"), "device_copy": ("always", "sync", False, "blocks"),
+            "async": ("cuda", "async", False, "first"), "never": ("never", "sync", False, "first"),
+            "parts": ("cuda", "sync", True, "first")}
 # The same model compiled after it is watched (--compiled; aot_eager: the compiled path's rows without
 # inductor's compile time): its read decided where the rows lie (Note [compiled rows decided where
 # they lie] in nanscan/monitor/readback.py), and decoded whole -- every written row made a slot (the
 # path before that note; "never" takes it).
-COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, True), "compiled_whole": ("never", "sync", False, True)}
-NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks", "device": "device path, one call",
+COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, "first"),
+                     "compiled_whole": ("never", "sync", False, "first")}
+NAMES = {"cuda": "default (one call)", "gathered": "one call, in gather", "blocks": "call by call, in blocks",
+         "device": "device path, one call",
          "device_copy": "device path, as a Copy", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
          "parts": "every part on", "compiled": "compiled, rows in place", "compiled_whole": "compiled, decoded whole"}
 
@@ -101,7 +109,7 @@ def _train(model, opt, x, steps: int) -> None:
 
 
 def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False,
-              mode: str = "sync", one_call: bool = True, cold_probe: bool = False, compiled: bool = False) -> dict:
+              mode: str = "sync", taken: str = "first", cold_probe: bool = False, compiled: bool = False) -> dict:
     """Watch a fresh ``layers``-layer model in ``mode``, train ``steps`` steps (after 2 untimed ones)
     with the read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on);
     per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls;
@@ -167,7 +175,8 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
         for cls, take in takes.items():
             cls.take = take
 
-    readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision, one_call
+    readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision, taken != "blocks"
+    monitor.CLEAN_STEP_FIRST = taken == "first"
     try:
         with nanscan.watch(model, opt, **options) as mon:
             if compiled:
@@ -184,6 +193,7 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
             assert mon.incidents == [], "the benchmark's steps must be clean"
     finally:
         readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision_before, True
+        monitor.CLEAN_STEP_FIRST = True
         restore()
         if log_dir is not None:
             for name in os.listdir(log_dir):
@@ -201,13 +211,13 @@ def measure(layers=(16, 160), rounds: int = 15, steps: int = 20, compiled: bool 
         order = list(variants)
         for r in range(rounds):
             for variant in (order if r % 2 == 0 else order[::-1]):
-                decision, mode, parts, one_call = variants[variant]
-                got = run_reads(n, decision, steps, parts=parts, mode=mode, one_call=one_call, compiled=compiled)
+                decision, mode, parts, taken = variants[variant]
+                got = run_reads(n, decision, steps, parts=parts, mode=mode, taken=taken, compiled=compiled)
                 for k in ("whole_ns", "finishing_ns", "records"):
                     samples[variant][k] += got[k]
-        for variant, (decision, mode, parts, one_call) in variants.items():
+        for variant, (decision, mode, parts, taken) in variants.items():
             samples[variant]["calls"] = run_reads(n, decision, 3, count_calls=True, parts=parts, mode=mode,
-                                                  one_call=one_call, compiled=compiled)["calls"]
+                                                  taken=taken, compiled=compiled)["calls"]
             if variant == "cuda":  # (a pass of its own: the probe warms what the read calls first)
                 probes = run_reads(n, decision, steps, cold_probe=True)["probes"]
                 cold = {"first_call_us": statistics.median(p[0] for p in probes) / 1e3,

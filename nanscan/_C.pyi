@@ -64,7 +64,7 @@ class Window:
     """One read window: entries in production order, records summarized in batches (one device and one
     stream per batch)."""
     generation: int
-    def __init__(self, marker: Any, make_rows: Callable[[Any], Any],
+    def __init__(self, make_rows: Callable[[Any], Any],
                  summarize: Optional[Callable[[list], torch.Tensor]], on_stale: Optional[Callable[[Any], None]],
                  n_infos: int, batch: int, batch_bytes: int) -> None: ...
     def add(self, tensor: torch.Tensor, slot: Any) -> int: ...

@@ -4,12 +4,15 @@ and the host copies back the non-finite count and the read's scalars -- a few by
 number of records --; a non-finite record anywhere still brings the rows back and yields the same
 incident as the host's decision. The device path runs here on CPU rows (``DEVICE_DECISION =
 "always"``): it is the same torch code a GPU runs."""
+import collections
+
 import pytest
 import torch
 from torch import nn
 
 import nanscan
 from nanscan.monitor import reading, readback
+from nanscan.monitor.monitor import Monitor
 from nanscan.record import RECORD_SIZE
 
 NAN = float("nan")
@@ -34,17 +37,32 @@ def copies(monkeypatch):
     return landed
 
 
+Decided = collections.namedtuple("Decided", "step grad_names extras")
+
+
 @pytest.fixture
 def cleans(monkeypatch):
-    """Every read of the test decided clean before a Copy was made of it (Clean), in order."""
+    """Every read of the test decided clean before a Copy was made of it, in order: (step, names of
+    the parameter gradients read, scalars) -- a Clean from gather, or the clean step's read taken
+    first (Note [a clean step's read]); not a Copy found clean when it landed."""
     found = []
-    init = readback.Clean.__init__
+    decided, decode = Monitor._decided_clean, Monitor._decode
+    landing = []
 
-    def recording(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        found.append(self)
+    def recording(self, step, grad_names, extras):
+        if not landing:
+            found.append(Decided(step, grad_names, extras or {}))
+        decided(self, step, grad_names, extras)
 
-    monkeypatch.setattr(readback.Clean, "__init__", recording)
+    def decoding(self, *args, **kwargs):
+        landing.append(True)
+        try:
+            return decode(self, *args, **kwargs)
+        finally:
+            landing.pop()
+
+    monkeypatch.setattr(Monitor, "_decided_clean", recording)
+    monkeypatch.setattr(Monitor, "_decode", decoding)
     return found
 
 
@@ -226,12 +244,62 @@ def test_a_read_taken_in_one_call_keeps_which_gradients_it_read(cleans):
     assert mon.reading._lean_read is not None  # (the read was taken in one call)
 
 
+def _gathers(monkeypatch) -> list:
+    """The steps of the reads that went through Reading.gather, in order."""
+    gathered = []
+    gather = reading.Reading.gather
+
+    def counting(self, step, **kwargs):
+        gathered.append(step)
+        return gather(self, step, **kwargs)
+
+    monkeypatch.setattr(reading.Reading, "gather", counting)
+    return gathered
+
+
+def test_a_plain_clean_step_is_decided_before_the_reads_general_path(monkeypatch, cleans):
+    # Note [a clean step's read]: a plain loop's clean sync read is taken in one call first; gather
+    # runs only for what that read does not cover (here the final read at close)
+    gathered = _gathers(monkeypatch)
+    mon = train(deep(3), steps=3)
+    assert mon.incidents == [] and [c.step for c in cleans] == [0, 1, 2]
+    assert all(c.grad_names is mon.tensors.param_names and c.extras == {} for c in cleans)
+    assert not {0, 1, 2} & set(gathered)
+    assert mon.tensors.grads_read[2] == (mon.tensors.all_param_names, set())
+
+
+def test_a_step_the_clean_steps_read_does_not_cover_goes_the_general_way(monkeypatch, cleans):
+    # GradScaler's scale rides with the read: gather takes every step, and decides it clean in one
+    # call there (its scale on the host)
+    gathered = _gathers(monkeypatch)
+    torch.manual_seed(0)
+    model = deep(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    with nanscan.watch(model, opt, scaler) as mon:
+        for _ in range(3):
+            scaler.scale(model(torch.randn(4, 8)).pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert mon.incidents == [] and {0, 1, 2} <= set(gathered)
+    assert [c.step for c in cleans] == [0, 1, 2] and [c.extras for c in cleans] == [{"scale": 4.0}] * 3
+
+
+def test_a_fault_found_by_the_clean_steps_read_is_read_on_from_its_parts(monkeypatch, cleans):
+    # not clean, the parts taken in one call go on to gather: the fault is found where it was made
+    gathered = _gathers(monkeypatch)
+    mon = train(deep(6), steps=4, plant=_activation)
+    assert [c.step for c in cleans] == [0] and {1, 2, 3} <= set(gathered)  # (the NaN weight stays)
+    assert (mon.incidents[0].step, mon.incidents[0].phase, mon.incidents[0].name) == (1, "forward", "2.0")
+
+
 def test_the_one_call_take_returns_what_the_separate_calls_do_when_a_record_is_not_finite():
     from nanscan import _ops
 
     extension = _ops.monitor_extension()
     mon = train(deep(2), steps=1)
-    window = extension.Window(object(), lambda rows: rows, None, None, 1, 8, 1 << 20)
+    window = extension.Window(lambda rows: rows, None, None, 1, 8, 1 << 20)
     params = [torch.randn(3), torch.randn(2, 2)]
     held = extension.TensorSet(params, None)
     lean = extension.LeanRead(window, None, held, mon.hooks.cpp)

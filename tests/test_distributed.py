@@ -9,12 +9,16 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import nanscan
+from nanscan.monitor import distributed
 
 
 def worker(rank, world, out_dir):
+    # (what every read asks first: more than one process? read where torch keeps the default group)
+    result = {"rank": rank, "active_before_init": distributed.active()}
     # A file rendezvous: no TCP port to race for with other processes on the machine.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
-    result = {"rank": rank}
+    result["active"] = [distributed.active(), dist.is_initialized() and dist.get_world_size() > 1]
+    result["reads_the_group"] = distributed._WORLD is not None
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
@@ -53,6 +57,8 @@ def test_two_ranks_gloo_fault_on_rank_1_only(tmp_path):
     mp.spawn(worker, args=(2, str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
+        assert r["active_before_init"] is False and r["active"] == [True, True]
+        assert r["reads_the_group"]  # (this torch keeps its default group where active() reads it)
         assert r.get("raised"), f"rank {r['rank']} did not stop"
         assert (r["step"], r["last_step"], r["phase"], r["incident_rank"]) == (2, 2, "forward", 1)
         assert (r["name"], r["produced"]) == ("0", False)  # the batch of rank 1 carried the NaN

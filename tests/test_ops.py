@@ -278,7 +278,7 @@ def test_a_cpu_record_made_on_arrival_is_the_value_then_bit_for_bit(make):
 
     x = make()
     want = torch.ops.nanscan.summarize(x.clone())
-    w = _C.Window(object(), lambda rows: None, None, None, 1, 64, 1 << 20)
+    w = _C.Window(lambda rows: None, None, None, 1, 64, 1 << 20)
     w.add(x, types.SimpleNamespace(stale=False))
     if x.numel():
         x.fill_(7)  # changed after it was recorded
@@ -296,7 +296,7 @@ def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later
     from nanscan import _C
 
     def window(summarize):
-        return _C.Window(object(), lambda rows: None, summarize, None, 1, 64, 1 << 20)
+        return _C.Window(lambda rows: None, summarize, None, 1, 64, 1 << 20)
 
     on_arrival, batched = window(None), window(lambda xs: torch.ops.nanscan.summarize_many(xs))
     for w, stale in ((on_arrival, False), (batched, True)):
@@ -317,11 +317,15 @@ def test_a_cpu_read_window_summarizes_on_arrival_and_a_batched_one_marks_a_later
     # A block of records made elsewhere (the parameters) keeps its place between them.
     w = window(None)
     a, b = torch.ones(2), torch.zeros(2)
-    w.add(a, types.SimpleNamespace(stale=False))
-    w.add_block(torch.full((1, R), 7.0, dtype=torch.float64), types.SimpleNamespace(start=None), 1)
-    w.add(b, types.SimpleNamespace(stale=False))
-    got = torch.cat(w.take()[1])
-    assert got[:, 3].tolist() == [0.0, 7.0, 2.0]  # zero counts, in production order
+    first, block, last = types.SimpleNamespace(stale=False), types.SimpleNamespace(start=None), \
+        types.SimpleNamespace(stale=False)
+    w.add(a, first)
+    w.add_block(torch.full((2, R), 7.0, dtype=torch.float64), block, 2)
+    w.add(b, last)
+    assert len(w) == 4
+    entries, records, _ = w.take()
+    assert torch.cat(records)[:, 3].tolist() == [0.0, 7.0, 7.0, 2.0]  # zero counts, in production order
+    assert entries == [first, block, block, last] and block.start == 1 and len(w) == 0
 
 
 def test_env_backend_reads_what_os_environ_holds(monkeypatch):

@@ -21,7 +21,7 @@
 // after the running parent (a value made in the parent's own body) or, with no parent, the batch.
 //
 // Python API (module nanscan._C):
-//   Window(marker, make_rows, summarize, on_stale)  one read window (forward or eval)
+//   Window(make_rows, summarize, on_stale)  one read window (forward or eval)
 //     add(tensor, slot) -> entry      a Python Slot record (loss, optimizer state)
 //     add_block(records, block, n)    n rows summarized already (parameters, buffers)
 //     flush(), len(window), window.generation
@@ -143,9 +143,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", [](const Rows& r) { return r.rows.size(); });
 
   py::class_<Window, std::shared_ptr<Window>>(m, "Window")
-      .def(py::init<py::object, py::object, py::object, py::object, int64_t, int64_t, int64_t>(), py::arg("marker"),
-           py::arg("make_rows"), py::arg("summarize"), py::arg("on_stale"), py::arg("n_infos"), py::arg("batch"),
-           py::arg("batch_bytes"))
+      .def(py::init<py::object, py::object, py::object, int64_t, int64_t, int64_t>(), py::arg("make_rows"),
+           py::arg("summarize"), py::arg("on_stale"), py::arg("n_infos"), py::arg("batch"), py::arg("batch_bytes"))
       .def("add", &Window::add_py)
       .def("add_block", &Window::add_block)
       .def("flush", &Window::flush)

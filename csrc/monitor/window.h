@@ -16,9 +16,9 @@ namespace nanscan {
 // (see nanscan/monitor/slots.py for why batches are safe: version counters mark a record stale).
 class Window {
  public:
-  Window(py::object marker, py::object make_rows, py::object summarize, py::object on_stale, int64_t n_infos,
-         int64_t batch, int64_t batch_bytes)
-      : marker_(std::move(marker)), make_rows_(std::move(make_rows)),
+  Window(py::object make_rows, py::object summarize, py::object on_stale, int64_t n_infos, int64_t batch,
+         int64_t batch_bytes)
+      : make_rows_(std::move(make_rows)),
         summarize_(summarize.is_none() ? py::object() : std::move(summarize)), on_stale_(std::move(on_stale)),
         n_infos_(n_infos), batch_(batch < 1 ? 1 : batch), batch_bytes_(batch_bytes), default_kernels_(!summarize_) {
     rows_.last_frame.assign(n_infos_, -1);
@@ -28,7 +28,7 @@ class Window {
   std::shared_ptr<std::vector<uint8_t>> eager;  // per module: never batch its records (set by Hooks)
   Rows rows_;
 
-  int64_t size() const { return static_cast<int64_t>(PyList_GET_SIZE(entries_.ptr())); }
+  int64_t size() const { return static_cast<int64_t>(object_of_.size()); }
 
   // Mark every entry from now on with the compiled path's host count of `stamped` (Note [stamps
   // counted on the host], stamp_rows.cpp).
@@ -40,7 +40,8 @@ class Window {
   int64_t add_py(const at::Tensor& t, py::object slot) {
     marks_.note(size());
     const bool now = before_add(t);
-    entries_.append(std::move(slot));
+    object_of_.push_back(static_cast<int32_t>(PyList_GET_SIZE(objects_.ptr())));
+    objects_.append(std::move(slot));
     rows_.row_of.push_back(-1);
     return after_add(t, now);
   }
@@ -48,7 +49,7 @@ class Window {
   int64_t add_row(const at::Tensor& t, const Row& row) {
     marks_.note(size());
     const bool now = before_add(t);
-    entries_.append(marker_);
+    object_of_.push_back(-1);
     rows_.row_of.push_back(static_cast<int32_t>(rows_.rows.size()));
     rows_.rows.push_back(row);
     return after_add(t, now);
@@ -61,8 +62,10 @@ class Window {
     host_.seal_into(blocks_);  // (the records before the block's, in order)
     block.attr("start") = size();
     blocks_.push_back(records);
+    const int32_t object = static_cast<int32_t>(PyList_GET_SIZE(objects_.ptr()));
+    objects_.append(std::move(block));
     for (int64_t k = 0; k < n; ++k) {
-      entries_.append(block);
+      object_of_.push_back(object);
       rows_.row_of.push_back(-1);
     }
   }
@@ -79,7 +82,7 @@ class Window {
           rows_.rows[r].stale = true;
           if (eager && rows_.rows[r].info >= 0) (*eager)[rows_.rows[r].info] = 1;
         } else {
-          py::object slot = entries_[entry];
+          py::object slot = objects_[object_of_[entry]];
           slot.attr("stale") = true;
           if (!on_stale_.is_none()) on_stale_(slot);
         }
@@ -98,7 +101,8 @@ class Window {
   // What take() hands over, before any Python object is made of it (LeanRead, lean_read.h,
   // drops a clean read's without making one).
   struct Taken {
-    py::list entries;
+    py::list objects;                // the window's Python objects (objects_)
+    std::vector<int32_t> object_of;  // per entry (object_of_)
     std::vector<at::Tensor> blocks;  // [k, RECORD_SIZE] records, in order
     std::shared_ptr<Rows> rows;      // null: no C++ row
   };
@@ -108,8 +112,10 @@ class Window {
     host_.seal_into(blocks_);
     if (!side_.empty()) side_.join_into_current();  // (the read's stream: the current one now)
     Taken taken;
-    taken.entries = entries_;
-    entries_ = py::list();
+    taken.objects = std::move(objects_);
+    objects_ = py::list();
+    taken.object_of.swap(object_of_);
+    object_of_.reserve(taken.object_of.size());
     marks_.take();
     auto rows = std::make_shared<Rows>(std::move(rows_));
     rows_ = Rows();
@@ -125,17 +131,15 @@ class Window {
 
   // `taken` as take() returns it.
   py::tuple to_python(Taken&& taken) const {
-    py::object proxy = py::none();
-    py::list entries = std::move(taken.entries);
-    if (taken.rows) {
-      proxy = make_rows_(std::move(taken.rows));
-      PyObject* marker = marker_.ptr();
-      for (Py_ssize_t i = 0, n = PyList_GET_SIZE(entries.ptr()); i < n; ++i) {
-        if (PyList_GET_ITEM(entries.ptr(), i) == marker) {
-          Py_INCREF(proxy.ptr());
-          PyList_SetItem(entries.ptr(), i, proxy.ptr());  // (steals the reference, releases the marker)
-        }
-      }
+    py::object proxy = taken.rows ? make_rows_(std::move(taken.rows)) : py::object(py::none());
+    // The entries in order: a C++ row's is the rows' proxy (the rows know which row it is).
+    const Py_ssize_t n = static_cast<Py_ssize_t>(taken.object_of.size());
+    py::list entries(n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const int32_t k = taken.object_of[i];
+      PyObject* entry = k >= 0 ? PyList_GET_ITEM(taken.objects.ptr(), k) : proxy.ptr();
+      Py_INCREF(entry);
+      PyList_SET_ITEM(entries.ptr(), i, entry);  // (steals the reference)
     }
     // The blocks as they are: the read stacks them with its other records in one cat (Copy.start).
     py::list records;
@@ -213,11 +217,16 @@ class Window {
   }
 
   StampMarks marks_;
-  py::object marker_, make_rows_, summarize_, on_stale_;
+  py::object make_rows_, summarize_, on_stale_;
   int64_t n_infos_, batch_, batch_bytes_;
   bool default_kernels_;
   HostRows host_;  // records made on arrival, not yet sealed into a block
-  py::list entries_;
+  // The entries, in production order: entry i is a C++ row (object_of_[i] < 0; rows_.row_of[i] says
+  // which) or the Python object objects_[object_of_[i]] -- a slot, or a block (all of its entries).
+  // Only a read that walks the entries makes a list of them (to_python): a clean read, taken and
+  // dropped in C++, then releases a few objects, not a reference per entry fetched cold.
+  py::list objects_;
+  std::vector<int32_t> object_of_;
   // (Open addressing: no node allocated per recorded tensor; clear() keeps the slots for the next window.)
   ska::flat_hash_map<c10::TensorImpl*, Known> known_;
   std::vector<at::Tensor> queued_, blocks_;

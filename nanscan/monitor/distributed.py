@@ -42,9 +42,21 @@ def local_shards(tensors: list) -> list:
 
 
 _AVAILABLE = torch.distributed.is_available()  # (fixed by the build: asked once, not at every read)
+# What torch.distributed.is_initialized() reads (GroupMember.WORLD, a metaclass property, returns
+# _world.default_pg, a property returning _world._default_pg): read directly where this torch has it.
+# Every read asks active() first, and its three Python calls, fetched cold after the step, cost more
+# than the rest of a clean read's first lines (benchmarks/read_cost.py, "a cold call").
+_WORLD = None
+if _AVAILABLE:
+    _WORLD = getattr(torch.distributed.distributed_c10d, "_world", None)
+    if not hasattr(_WORLD, "_default_pg"):
+        _WORLD = None  # (another layout: the public calls)
 
 
 def active() -> bool:
+    """More than one process in the default process group."""
+    if _WORLD is not None:
+        return _WORLD._default_pg is not None and torch.distributed.get_world_size() > 1
     return _AVAILABLE and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 

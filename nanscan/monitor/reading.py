@@ -40,11 +40,9 @@ class Reading:
 
     def __init__(self, extension, infos: list, summarize, *, activation_grads: bool):
         # Per read window: the records (production order); eval forwards have their own.
-        marker = object()  # (stands for a C++ row in a window's entry list until the window is taken)
-
         def window():
-            return extension.Window(marker, functools.partial(EagerRows, infos=infos), summarize, None,
-                                    len(infos), BATCH, BATCH_BYTES)
+            return extension.Window(functools.partial(EagerRows, infos=infos), summarize, None, len(infos), BATCH,
+                                    BATCH_BYTES)
 
         self.window, self.eval_window = window(), window()
         self.generation = 0
@@ -85,9 +83,25 @@ class Reading:
         local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
         self.clip_norms.append((local() if callable(local) else total_norm).detach())
 
+    def take_in_one_call(self, hooks, tensors, read_grads: bool):
+        """The read taken and tested in one C++ call (Note [a clean read in one call] in
+        csrc/monitor/lean_read.h; ``generation`` already moved on for it): clean, the names of the
+        parameter gradients read (None: not read, or none exists); else the parts as a tuple, for
+        :meth:`gather` (``taken``)."""
+        lean_read = self._lean_read
+        if lean_read is None or lean_read[1] is not tensors.param_set or lean_read[2] is not hooks.cpp:
+            lean_read = self._lean_read = (self._extension.LeanRead(self.window, self.grad_sink,
+                                                                    tensors.param_set, hooks.cpp),
+                                           tensors.param_set, hooks.cpp)
+        taken = lean_read[0].take(read_grads, self.generation, readback.DEVICE_DECISION == "always")
+        if type(taken) is tuple:
+            return taken
+        return None if taken is None else (
+            tensors.param_names if taken is True else [tensors.param_names[k] for k in taken])
+
     def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, scalars: bool, scale,
                found_inf, handled: bool, final: bool, non_blocking: bool, steplog, rows_wanted: bool = True,
-               lean: bool = False):
+               lean: bool = False, taken: Optional[tuple] = None):
         """Start the copy of a training read of ``step``: everything recorded since the last read
         (see the module docstring). ``grads``: the parameter gradients are read too (``explained``:
         with their inputs, see :meth:`ModelTensors.grad_block`); ``scalars``: the step's loss scale
@@ -97,7 +111,9 @@ class Reading:
         comes back as one number] in :mod:`~nanscan.monitor.readback`). ``lean``: a read that is
         decided now and that nothing else needs if it is clean; it comes back as a
         :class:`~nanscan.monitor.readback.Clean` when it is (Note [a clean read is decided without
-        a Read])."""
+        a Read]). ``taken``: the parts :meth:`take_in_one_call` returned for this read (not clean),
+        taken after the forward was noted and ``generation`` moved on (Note [a clean step's read]
+        in :mod:`~nanscan.monitor.monitor`)."""
         extras = []  # (what, tensor): read with the records, in the same copy
         if isinstance(scale, torch.Tensor) and not final and scalars:
             extras.append(("scale", scale))
@@ -105,27 +121,20 @@ class Reading:
             extras.append(("found_inf", found_inf))
         if self.clip_norms or self.clip_unknown:
             self._clip_norm(step, extras, scalars, steplog)
-        self.generation += 1
-        recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
         read_grads = grads and bool(tensors.named_params)
         # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
         used = traced.used
-        taken = None
-        decision = readback.DEVICE_DECISION
-        if (lean and not used and TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
-                and (_scalars_on_host(extras) if extras else decision != "never")):
-            # Taken and tested in one C++ call (Note [a clean read in one call] in csrc/monitor/lean_read.h).
-            # (No Python call here that a clean read can do without: each is fetched cold.)
-            lean_read = self._lean_read
-            if lean_read is None or lean_read[1] is not tensors.param_set or lean_read[2] is not hooks.cpp:
-                lean_read = self._lean_read = (self._extension.LeanRead(self.window, self.grad_sink,
-                                                                        tensors.param_set, hooks.cpp),
-                                               tensors.param_set, hooks.cpp)
-            taken = lean_read[0].take(read_grads, self.generation, decision == "always")
-            if type(taken) is not tuple:  # clean: which parameter gradients were read
-                names = None if taken is None else (
-                    tensors.param_names if taken is True else [tensors.param_names[k] for k in taken])
-                return Clean(step, names, {name: float(e) for name, e in extras} if extras else {})
+        if taken is not None:
+            recorded_forward = True
+        else:
+            self.generation += 1
+            recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
+            if (lean and not used and TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
+                    and (_scalars_on_host(extras) if extras else readback.DEVICE_DECISION != "never")):
+                taken = self.take_in_one_call(hooks, tensors, read_grads)
+                if type(taken) is not tuple:  # clean: which parameter gradients were read
+                    return Clean(step, taken, {name: float(e) for name, e in extras} if extras else {})
+        if taken is not None:
             (slots, blocks, eager_rows), sink, taken_grads = taken
             param_grads = tensors.grad_records(taken_grads) if read_grads else None
         else:
