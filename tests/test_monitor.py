@@ -167,6 +167,27 @@ def test_update_that_blows_up_is_reported_in_phase_update():
     assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (0, "update", "gate", "param", True)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("blown", [15, 21])
+def test_an_update_checked_every_few_steps_still_knows_its_gradient_was_finite(mode, blown):
+    # every=3: the update of step 15 is decoded with the read of step 18, the seventh read -- where
+    # the reads kept for the updates are thinned; its gradient was read finite, so the update made it
+    torch.manual_seed(0)
+    model = GatedNet()
+    rest = [p for name, p in model.named_parameters() if name != "gate"]
+    opt = torch.optim.Adam([{"params": rest}, {"params": [model.gate], "eps": 1e-8}], lr=1e-3)
+    mon = nanscan.watch(model, opt, every=3, mode=mode)
+    with pytest.raises(nanscan.NonFiniteError) as err, mon:
+        for i in range(blown + 6):
+            opt.param_groups[1]["eps"] = 0.0 if i == blown else 1e-8  # (0 / 0 for the gate, at that step)
+            with mon.step():
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+    inc = err.value.incident
+    assert (inc.step, inc.phase, inc.name, inc.kind, inc.produced) == (blown, "update", "gate", "param", True)
+
+
 def test_gradscaler_skips_are_in_the_ledger_and_not_raised():
     torch.manual_seed(0)
     model = Net()

@@ -223,7 +223,7 @@ class ModelTensors:
             self.grads_read[s.step] = (self.grad_names(s.names), bad_names)
         self.forward_bad[step] = bool(bad) and any(s.phase == "forward" and s.candidate
                                                    for s in (at(slots, i) for i in bad))
-        self._forget_before(step)
+        self._forget_old_reads()
 
     def note_clean_read(self, step: int, grad_names) -> None:
         """:meth:`note_read` of a training read of ``step`` with nothing non-finite, whose parameter
@@ -233,13 +233,15 @@ class ModelTensors:
                                      set())
         self.forward_bad[step] = False
         if len(self.grads_read) > 6 or len(self.forward_bad) > 6:
-            self._forget_before(step)
+            self._forget_old_reads()
 
-    def _forget_before(self, step: int) -> None:
-        """Steps before the last three are forgotten (looked for once more than six are kept: a
-        read adds one of each)."""
+    def _forget_old_reads(self) -> None:
+        """All but the last three reads are forgotten (looked for once more than six are kept: a read
+        adds one of each). Reads, not steps: with ``every=N`` the update of a read is decoded with
+        the next read, N steps later (async mode: a read later still), and must find its step here
+        -- kept by step distance, one read in six lost its gradients and said "cannot tell"."""
         for kept in (self.grads_read, self.forward_bad):
             if len(kept) > 6:
-                for old in [k for k in kept if k < step - 2]:
+                for old in list(kept)[:-3]:  # (steps in the order read: the oldest first)
                     del kept[old]
 
