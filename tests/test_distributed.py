@@ -18,7 +18,7 @@ def worker(rank, world, out_dir):
     # A file rendezvous: no TCP port to race for with other processes on the machine.
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world)
     result["active"] = [distributed.active(), dist.is_initialized() and dist.get_world_size() > 1]
-    result["reads_the_group"] = distributed._WORLD is not None
+    result["reads_the_group"] = distributed._C10D is not None
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
