@@ -28,7 +28,7 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
   pass of the default variant): what the read's first lines pay because the step between two reads
   evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in eight variants: the read decided as by default (``DEVICE_DECISION =
+Each ``n`` is measured in nine variants: the read decided as by default (``DEVICE_DECISION =
 "cuda"``, sync mode: a clean read is taken and tested in one C++ call, before any slot, Copy or
 Read is made of it -- Note [a clean read is decided without a Read] in
 nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h --, and
@@ -39,8 +39,10 @@ same read taken call by call and tested in its blocks (``"blocks"``: the path be
 ``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
 (``DEVICE_DECISION = "always"``: one sum of the records where they lie and its 8 bytes copied back),
 taken in one call (``"device"``) and as a Copy (``"device_copy"``: the path before that note); the
-default in async mode (``"async"``: a Copy decided in its blocks a read later, then bookkept without
-a Read: async mode's clean path); stacked and copied whole
+default in async mode (``"async"``: rows on the host are decided in the one call as in sync mode --
+Note [a clean step's read]), and async mode through gather (``"async_copy"``: a Copy decided in its
+blocks a read later, then bookkept without a Read: async mode's clean path before that note, and
+still the path of a device's rows); stacked and copied whole
 (``"never"``: the read before the clean-read path); and with every part that walks a read's rows
 on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
 no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``). They run
@@ -81,7 +83,8 @@ from nanscan.monitor.tensors import ModelTensors
 VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "gathered": ("cuda", "sync", False, "one_call"),
             "blocks": ("cuda", "sync", False, "blocks"),
             "device": ("always", "sync", False, "first"), "device_copy": ("always", "sync", False, "blocks"),
-            "async": ("cuda", "async", False, "first"), "never": ("never", "sync", False, "first"),
+            "async": ("cuda", "async", False, "first"), "async_copy": ("cuda", "async", False, "one_call"),
+            "never": ("never", "sync", False, "first"),
             "parts": ("cuda", "sync", True, "first")}
 # The same model compiled after it is watched (--compiled; aot_eager: the compiled path's rows without
 # inductor's compile time): its read decided where the rows lie (Note [compiled rows decided where
@@ -91,7 +94,8 @@ COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, "first"),
                      "compiled_whole": ("never", "sync", False, "first")}
 NAMES = {"cuda": "default (one call)", "gathered": "one call, in gather", "blocks": "call by call, in blocks",
          "device": "device path, one call",
-         "device_copy": "device path, as a Copy", "async": "async (Copy in blocks)", "never": "stacked, copied whole",
+         "device_copy": "device path, as a Copy", "async": "async (one call)",
+         "async_copy": "async, Copy in blocks", "never": "stacked, copied whole",
          "parts": "every part on", "compiled": "compiled, rows in place", "compiled_whole": "compiled, decoded whole"}
 
 

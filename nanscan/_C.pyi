@@ -95,6 +95,7 @@ class LeanRead:
     finishing_ns: int  # the last take's time spent finishing records
     def __init__(self, window: Window, sink: Optional[GradSink], params: Optional[TensorSet], hooks: Hooks) -> None: ...
     # Clean: None (no parameter gradient read), True (every one), or the indices of those read.
-    # Else (window.take(), sink.take() or None, TensorSet.grad_records() or None).
-    def take(self, grads: bool, sink_generation: int,
-             on_device: bool = False) -> Union[None, bool, list[int], tuple]: ...
+    # Else (window.take(), sink.take() or None, TensorSet.grad_records() or None); so are records on
+    # a device when not may_sync (undecided).
+    def take(self, grads: bool, sink_generation: int, on_device: bool = False,
+             may_sync: bool = True) -> Union[None, bool, list[int], tuple]: ...

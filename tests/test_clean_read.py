@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nanscan
-from nanscan.monitor import reading, readback
+from nanscan.monitor import monitor, reading, readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.record import RECORD_SIZE
 
@@ -132,8 +132,31 @@ def test_on_the_cpu_a_clean_sync_read_is_decided_before_its_slots_are_made(copie
     assert mon.tensors.forward_bad[2] is False
 
 
-def test_on_the_cpu_an_async_clean_read_is_decided_in_its_blocks(copies, cleans):
-    # async mode decodes a read one read late: a Copy, decided in its blocks, nothing stacked
+def test_on_the_cpu_an_async_clean_read_is_decided_at_once_as_in_sync_mode(copies, cleans):
+    # async mode spares the host a wait for the device; rows on the host need none: a clean step's
+    # read is decided in one call as in sync mode (Note [a clean step's read])
+    mon = train(deep(4), mode="async")
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    assert [c.step for c in cleans] == [0, 1, 2]
+    assert not [c for c in copies if not c.final]
+    assert mon.tensors.grads_read[2] == (mon.tensors.all_param_names, set())
+
+
+def test_an_async_read_on_a_device_goes_on_as_a_copy_decided_a_read_later(monkeypatch, copies, cleans):
+    # the device path run on CPU rows: in async mode the one call does not wait for the device's
+    # sum; the read goes on, undecided, as a copy that lands at the next read
+    monkeypatch.setattr(readback, "DEVICE_DECISION", "always")
+    mon = train(deep(4), mode="async")
+    assert mon.incidents == [] and mon.ledger.applied == 3
+    assert cleans == []
+    training = [c for c in copies if c.slots and not c.final]
+    assert [c.step for c in training] == [0, 1, 2]
+    assert all(c.device_rows is not None and c.host is None for c in training)
+
+
+def test_on_the_cpu_an_async_clean_read_through_gather_is_decided_in_its_blocks(monkeypatch, copies, cleans):
+    # (the path before the clean step's read: a Copy, decided in its blocks a read later, nothing stacked)
+    monkeypatch.setattr(monitor, "CLEAN_STEP_FIRST", False)
     mon = train(deep(4), mode="async")
     assert mon.incidents == [] and mon.ledger.applied == 3
     assert cleans == []

@@ -50,8 +50,9 @@ class LeanRead {
   // sink.take() or None, TensorSet.grad_records() or None). Records on the host are tested where
   // they lie; records on a device (or any, with `on_device`: the tests' way to run that path on the
   // CPU) by one sum there, whose 8 bytes are the read's one host sync (Note [a clean read comes back
-  // as one number] in nanscan/monitor/readback.py).
-  py::object take(bool grads, int64_t sink_generation, bool on_device = false) {
+  // as one number] in nanscan/monitor/readback.py) -- unless `may_sync` is false (async mode): then
+  // records on a device come back as the tuple, undecided, for a copy decided a read later.
+  py::object take(bool grads, int64_t sink_generation, bool on_device = false, bool may_sync = true) {
     const auto start = std::chrono::steady_clock::now();
     Window::Taken window = window_->take_parts();
     GradSink::Taken sink;
@@ -68,7 +69,7 @@ class LeanRead {
     std::vector<at::Tensor> blocks = window.blocks;  // (handles: the parts stay whole for the way back)
     blocks.insert(blocks.end(), sink.records.begin(), sink.records.end());
     if (param_grads.records.defined()) blocks.push_back(param_grads.records);
-    if (clean(blocks, on_device)) {
+    if (clean(blocks, on_device, may_sync)) {
       if (!param_grads.records.defined()) return py::none();
       if (param_grads.all) return py::bool_(true);
       return py::cast(param_grads.present);
@@ -86,8 +87,8 @@ class LeanRead {
 
   // Every record of `blocks` ([k, >= 3] float64) without a NaN / +Inf / -Inf count (nonfinite_row);
   // false also where that is not decided here (blocks on two devices: the read goes on as before,
-  // and moves them).
-  static bool clean(const std::vector<at::Tensor>& blocks, bool on_device) {
+  // and moves them; blocks on a device when the host may not wait for it).
+  static bool clean(const std::vector<at::Tensor>& blocks, bool on_device, bool may_sync) {
     if (blocks.empty()) return true;
     const c10::Device device = blocks.front().device();
     for (const auto& b : blocks) {
@@ -99,6 +100,7 @@ class LeanRead {
       }
       return true;
     }
+    if (!may_sync) return false;
     // (one cat, one sum, 8 bytes back: the launches and the sync the Copy path makes, without it)
     const at::Tensor all = blocks.size() == 1 ? blocks.front() : at::cat(blocks);
     return all.narrow(1, 0, 3).sum().item<double>() == 0;

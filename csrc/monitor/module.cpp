@@ -55,9 +55,10 @@
 //     owner.begin(info, args, kwargs) -> None or (phase, step); owner.forward_ends(info);
 //     owner.model_loss(output) are called back for the rare events
 //   LeanRead(window, sink, params, hooks): a read's takes and its clean test in one call (Note [a
-//     clean read in one call], lean_read.h); take(grads, sink_generation, on_device=False) -> None /
-//     True / [present parameter indices] when clean, else (window.take(), sink.take() or None,
-//     grad_records() or None); finishing_ns: the last take's time spent finishing records
+//     clean read in one call], lean_read.h); take(grads, sink_generation, on_device=False,
+//     may_sync=True) -> None / True / [present parameter indices] when clean, else (window.take(),
+//     sink.take() or None, grad_records() or None); finishing_ns: the last take's time spent
+//     finishing records
 #include "grad_sink.h"
 #include "hooks.h"
 #include "lean_read.h"
@@ -174,6 +175,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::shared_ptr<Hooks>>(),
            py::arg("window"), py::arg("sink"), py::arg("params"), py::arg("hooks"))
       .def("take", &LeanRead::take, py::arg("grads"), py::arg("sink_generation"), py::arg("on_device") = false,
-           "a read's takes and its clean test in one call (Note [a clean read in one call])")
+           py::arg("may_sync") = true, "a read's takes and its clean test in one call (Note [a clean read in one call])")
       .def_readwrite("finishing_ns", &LeanRead::finishing_ns);
 }

@@ -577,15 +577,19 @@ class Monitor(Results):
         reading, hooks = self.reading, self.hooks
         sync = self.config.mode == "sync" or final
         taken = None
-        # Note [a clean step's read]: the read of a plain training step -- a sync read after a
-        # recorded forward, before or after the update, with no scalar to carry (no GradScaler, no
-        # fused optimizer's found_inf, no clipped norm), no compiled path, no consumer of its rows,
-        # on one process -- is the lean read below with every condition known to hold, taken here,
-        # before any other line of the read is run: each line and call of a read is fetched cold
-        # after the step (Note [a clean read in one call] in csrc/monitor/lean_read.h), so the
-        # common clean step makes two Python calls besides the C++ take (benchmarks/read_cost.py).
-        # Not clean, its parts go to gather as they would have come from its own take.
-        if (CLEAN_STEP_FIRST and sync and hooks.recorded_forward and scaler is None and found_inf is None and not final
+        # Note [a clean step's read]: the read of a plain training step -- after a recorded forward,
+        # before or after the update, with no scalar to carry (no GradScaler, no fused optimizer's
+        # found_inf, no clipped norm), no compiled path, no consumer of its rows, on one process --
+        # is the lean read below with every condition known to hold, taken here, before any other
+        # line of the read is run: each line and call of a read is fetched cold after the step (Note
+        # [a clean read in one call] in csrc/monitor/lean_read.h), so the common clean step makes a
+        # few Python calls besides the C++ take (benchmarks/read_cost.py). Not clean, its parts go to
+        # gather as they would have come from its own take. In async mode too, where the host need
+        # not wait to decide it: records on the host are decided at once, as in sync mode (async
+        # mode spares the host a wait for the device, and there is none); records on a device come
+        # back undecided and go on as a copy decided a read later. No read is in flight then: the
+        # reads stay in order.
+        if (CLEAN_STEP_FIRST and hooks.recorded_forward and scaler is None and found_inf is None and not final
                 and not outcomes.rows_wanted and not reading.clip_norms and not reading.clip_unknown
                 and reading.in_flight is None and reading_module.TAKEN_IN_ONE_CALL
                 and readback.DEVICE_DECISION != "never" and not self.traced.used and not distributed.active()):
@@ -594,7 +598,7 @@ class Monitor(Results):
             if tensors.param_set is not None or not read_grads:
                 reading.generation += 1
                 hooks.recorded_forward = False
-                taken = reading.take_in_one_call(hooks, tensors, read_grads)
+                taken = reading.take_in_one_call(hooks, tensors, read_grads, may_sync=sync)
                 if type(taken) is not tuple:  # clean: the parameter gradients' names
                     self._decided_clean(step, taken, None)
                     return

@@ -83,17 +83,18 @@ class Reading:
         local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
         self.clip_norms.append((local() if callable(local) else total_norm).detach())
 
-    def take_in_one_call(self, hooks, tensors, read_grads: bool):
+    def take_in_one_call(self, hooks, tensors, read_grads: bool, may_sync: bool = True):
         """The read taken and tested in one C++ call (Note [a clean read in one call] in
         csrc/monitor/lean_read.h; ``generation`` already moved on for it): clean, the names of the
         parameter gradients read (None: not read, or none exists); else the parts as a tuple, for
-        :meth:`gather` (``taken``)."""
+        :meth:`gather` (``taken``) -- also, when not ``may_sync`` (async mode), records on a device,
+        undecided."""
         lean_read = self._lean_read
         if lean_read is None or lean_read[1] is not tensors.param_set or lean_read[2] is not hooks.cpp:
             lean_read = self._lean_read = (self._extension.LeanRead(self.window, self.grad_sink,
                                                                     tensors.param_set, hooks.cpp),
                                            tensors.param_set, hooks.cpp)
-        taken = lean_read[0].take(read_grads, self.generation, readback.DEVICE_DECISION == "always")
+        taken = lean_read[0].take(read_grads, self.generation, readback.DEVICE_DECISION == "always", may_sync)
         if type(taken) is tuple:
             return taken
         return None if taken is None else (
