@@ -266,15 +266,20 @@ def test_one_host_read_per_step(monkeypatch):
 
 
 def test_async_mode_reports_one_step_later_without_losing_the_step():
+    # (records on the host too: found at step 1's read, whose clean reads are decided at once, and
+    # raised at the next read, as a GPU's copy would land)
     model, opt, mon = setup(mode="async")
+    batches = []
 
     def batch(i):
+        batches.append(i)
         model.block.fault = i == 1
         return torch.randn(4, 8)
 
     with pytest.raises(nanscan.NonFiniteError) as err, mon:
         train(model, mon, 4, batch, opt)
     assert (err.value.incident.step, err.value.incident.name) == (1, "block")
+    assert batches == [0, 1, 2]  # raised in step 2
 
 
 def test_training_exception_stays_primary_and_hooks_are_removed():
