@@ -97,6 +97,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanscan
+from nanscan.monitor import monitor
 from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
@@ -262,6 +263,19 @@ def _not_lean(gather):
 
 
 @contextlib.contextmanager
+def every_read_gathered():
+    """Every read through ``Reading.gather`` for the block (``monitor.CLEAN_STEP_FIRST`` off: Note
+    [a clean step's read]): the steady state the account is of -- on the CPU an async read's rows
+    need no wait and are decided at once otherwise; on a device the copy is in flight a step, as here."""
+    first = monitor.CLEAN_STEP_FIRST
+    monitor.CLEAN_STEP_FIRST = False
+    try:
+        yield
+    finally:
+        monitor.CLEAN_STEP_FIRST = first
+
+
+@contextlib.contextmanager
 def observe():
     """Wrap ``Read.land`` and ``Copy.wait`` (and ``Copy._fetch_rows`` where it exists) -- class
     attributes: every monitor's reads go through them -- for the block; yields an :class:`Observed`."""
@@ -298,7 +312,8 @@ def observe():
     if fetch is not None:
         Copy._fetch_rows = observed_fetch
     try:
-        yield seen
+        with every_read_gathered():
+            yield seen
     finally:
         Read.land = land
         Copy.wait = wait
@@ -473,7 +488,7 @@ def measure(*, layers=4, d=256, heads=4, vocab=1024, seq=128, batch=8, device="c
             unwatched["measured"] = cuda_activity(step)
         except Exception as e:  # (the account stands without it)
             unwatched["measured"] = {"error": repr(e)}
-    with nanscan.watch(model, opt, **watch_options):
+    with nanscan.watch(model, opt, **watch_options), every_read_gathered():
         for _ in range(warmup):
             step()
         watched_syncs = _count_cuda_syncs(step) if cuda else None

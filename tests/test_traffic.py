@@ -52,7 +52,7 @@ def hand_count(itemsize):
 
 
 def steady_account(step, model, opt, warmup=3, **options):
-    with nanscan.watch(model, opt, **options):
+    with nanscan.watch(model, opt, **options), traffic.every_read_gathered():
         for _ in range(warmup):
             step()
         return traffic.account_step(step)
