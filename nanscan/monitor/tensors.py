@@ -228,9 +228,8 @@ class ModelTensors:
     def note_clean_read(self, step: int, grad_names) -> None:
         """:meth:`note_read` of a training read of ``step`` with nothing non-finite, whose parameter
         gradients ``grad_names`` (from :meth:`grad_records`; None: not read) were read."""
-        if grad_names is not None:  # (grad_names() inline: every clean step comes here, cold)
-            self.grads_read[step] = (self.all_param_names if grad_names is self.param_names else frozenset(grad_names),
-                                     set())
+        if grad_names is not None:
+            self.grads_read[step] = (self.grad_names(grad_names), set())
         self.forward_bad[step] = False
         if len(self.grads_read) > 6 or len(self.forward_bad) > 6:
             self._forget_old_reads()
