@@ -28,20 +28,17 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
   pass of the default variant): what the read's first lines pay because the step between two reads
   evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in nine variants: the read decided as by default (``DEVICE_DECISION =
-"cuda"``, sync mode: a clean read is taken and tested in one C++ call, before any slot, Copy or
-Read is made of it -- Note [a clean read is decided without a Read] in
-nanscan/monitor/readback.py, Note [a clean read in one call] in csrc/monitor/lean_read.h --, and
-this plain step's read is taken before any other line of the read runs: Note [a clean step's read]
-in nanscan/monitor/monitor.py); the same one call made from inside ``Reading.gather``
-(``"gathered"``: the path before that note, ``monitor.CLEAN_STEP_FIRST = False``); the
-same read taken call by call and tested in its blocks (``"blocks"``: the path before that note,
-``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
+Each ``n`` is measured in eight variants: the read decided as by default (``DEVICE_DECISION =
+"cuda"``, sync mode: a clean read is taken and tested in one C++ call before any other line of the
+read runs, and before any slot, Copy or Read is made of it -- Note [a clean step's read] in
+nanscan/monitor/monitor.py, Note [a clean read in one call] in csrc/monitor/lean_read.h); the same
+read taken call by call through ``Reading.gather`` and tested in its blocks (``"blocks"``: the path
+before those notes, ``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
 (``DEVICE_DECISION = "always"``: one sum of the records where they lie and its 8 bytes copied back),
 taken in one call (``"device"``) and as a Copy (``"device_copy"``: the path before that note); the
 default in async mode (``"async"``: rows on the host are decided in the one call as in sync mode --
-Note [a clean step's read]), and async mode through gather (``"async_copy"``: a Copy decided in its
-blocks a read later, then bookkept without a Read: async mode's clean path before that note, and
+Note [a clean step's read]), and async mode taken call by call (``"async_copy"``: a Copy decided in
+its blocks a read later, then bookkept without a Read: async mode's clean path before that note, and
 still the path of a device's rows); stacked and copied whole
 (``"never"``: the read before the clean-read path); and with every part that walks a read's rows
 on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
@@ -73,17 +70,15 @@ from torch import nn
 
 import nanscan
 from nanscan import _ops
-from nanscan.monitor import distributed, monitor, reading, readback
+from nanscan.monitor import distributed, reading, readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.monitor.tensors import ModelTensors
 
 # variant -> (the decision, the mode, every part that walks the rows on, how the read is taken: "first"
-# -- a plain clean step's read before the rest of the read, "one_call" -- in one call inside
-# Reading.gather, "blocks" -- call by call)
-VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "gathered": ("cuda", "sync", False, "one_call"),
-            "blocks": ("cuda", "sync", False, "blocks"),
+# -- in one call before the rest of the read, "blocks" -- call by call, through Reading.gather)
+VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "blocks": ("cuda", "sync", False, "blocks"),
             "device": ("always", "sync", False, "first"), "device_copy": ("always", "sync", False, "blocks"),
-            "async": ("cuda", "async", False, "first"), "async_copy": ("cuda", "async", False, "one_call"),
+            "async": ("cuda", "async", False, "first"), "async_copy": ("cuda", "async", False, "blocks"),
             "never": ("never", "sync", False, "first"),
             "parts": ("cuda", "sync", True, "first")}
 # The same model compiled after it is watched (--compiled; aot_eager: the compiled path's rows without
@@ -92,7 +87,7 @@ VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "gathered": ("cuda", "sync
 # path before that note; "never" takes it).
 COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, "first"),
                      "compiled_whole": ("never", "sync", False, "first")}
-NAMES = {"cuda": "default (one call)", "gathered": "one call, in gather", "blocks": "call by call, in blocks",
+NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks",
          "device": "device path, one call",
          "device_copy": "device path, as a Copy", "async": "async (one call)",
          "async_copy": "async, Copy in blocks", "never": "stacked, copied whole",
@@ -180,7 +175,6 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
             cls.take = take
 
     readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision, taken != "blocks"
-    monitor.CLEAN_STEP_FIRST = taken == "first"
     try:
         with nanscan.watch(model, opt, **options) as mon:
             if compiled:
@@ -197,7 +191,6 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
             assert mon.incidents == [], "the benchmark's steps must be clean"
     finally:
         readback.DEVICE_DECISION, reading.TAKEN_IN_ONE_CALL = decision_before, True
-        monitor.CLEAN_STEP_FIRST = True
         restore()
         if log_dir is not None:
             for name in os.listdir(log_dir):

@@ -97,7 +97,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanscan
-from nanscan.monitor import monitor
+from nanscan.monitor import reading
 from nanscan.monitor.read import Read
 from nanscan.monitor.readback import Copy
 from nanscan.monitor.reading import Reading
@@ -264,15 +264,15 @@ def _not_lean(gather):
 
 @contextlib.contextmanager
 def every_read_gathered():
-    """Every read through ``Reading.gather`` for the block (``monitor.CLEAN_STEP_FIRST`` off: Note
+    """Every read through ``Reading.gather`` for the block (``reading.TAKEN_IN_ONE_CALL`` off: Note
     [a clean step's read]): the steady state the account is of -- on the CPU an async read's rows
     need no wait and are decided at once otherwise; on a device the copy is in flight a step, as here."""
-    first = monitor.CLEAN_STEP_FIRST
-    monitor.CLEAN_STEP_FIRST = False
+    one_call = reading.TAKEN_IN_ONE_CALL
+    reading.TAKEN_IN_ONE_CALL = False
     try:
         yield
     finally:
-        monitor.CLEAN_STEP_FIRST = first
+        reading.TAKEN_IN_ONE_CALL = one_call
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import nanscan
-from nanscan.monitor import monitor, reading, readback
+from nanscan.monitor import reading, readback
 from nanscan.monitor.monitor import Monitor
 from nanscan.record import RECORD_SIZE
 
@@ -154,9 +154,9 @@ def test_an_async_read_on_a_device_goes_on_as_a_copy_decided_a_read_later(monkey
     assert all(c.device_rows is not None and c.host is None for c in training)
 
 
-def test_on_the_cpu_an_async_clean_read_through_gather_is_decided_in_its_blocks(monkeypatch, copies, cleans):
+def test_on_the_cpu_an_async_clean_read_taken_call_by_call_is_decided_in_its_blocks(monkeypatch, copies, cleans):
     # (the path before the clean step's read: a Copy, decided in its blocks a read later, nothing stacked)
-    monkeypatch.setattr(monitor, "CLEAN_STEP_FIRST", False)
+    monkeypatch.setattr(reading, "TAKEN_IN_ONE_CALL", False)
     mon = train(deep(4), mode="async")
     assert mon.incidents == [] and mon.ledger.applied == 3
     assert cleans == []
@@ -291,9 +291,9 @@ def test_a_plain_clean_step_is_decided_before_the_reads_general_path(monkeypatch
     assert mon.tensors.grads_read[2] == (mon.tensors.all_param_names, set())
 
 
-def test_a_step_the_clean_steps_read_does_not_cover_goes_the_general_way(monkeypatch, cleans):
-    # GradScaler's scale rides with the read: gather takes every step, and decides it clean in one
-    # call there (its scale on the host)
+def test_a_clean_steps_scalars_on_the_host_ride_with_its_one_call(monkeypatch, cleans):
+    # GradScaler's scale rides with the read: on the host it is decided clean in the one call, with
+    # its scale, before gather
     gathered = _gathers(monkeypatch)
     torch.manual_seed(0)
     model = deep(3)
@@ -305,8 +305,30 @@ def test_a_step_the_clean_steps_read_does_not_cover_goes_the_general_way(monkeyp
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-    assert mon.incidents == [] and {0, 1, 2} <= set(gathered)
+    assert mon.incidents == [] and not {0, 1, 2} & set(gathered)
     assert [c.step for c in cleans] == [0, 1, 2] and [c.extras for c in cleans] == [{"scale": 4.0}] * 3
+
+
+def test_a_read_a_consumer_walks_goes_the_general_way(monkeypatch, cleans, tmp_path):
+    # a step log walks every read's rows: no read is decided before gather makes them
+    gathered = _gathers(monkeypatch)
+    mon = train(deep(3), steps=3, log=str(tmp_path / "steps.jsonl"))
+    assert mon.incidents == [] and cleans == [] and {0, 1, 2} <= set(gathered)
+
+
+def test_a_watch_without_activations_is_decided_in_one_call_and_still_finds_a_gradient(monkeypatch, cleans):
+    # no forward is recorded then, and none is needed to decide the read (the hooks' check is of
+    # activations): the clean steps are taken in the one call, and a NaN gradient is still found
+    gathered = _gathers(monkeypatch)
+
+    def nan_grad(model, step, loss):
+        if step == 2 and loss is not None:
+            return loss * float("nan")
+        return loss
+
+    mon = train(deep(3), steps=4, plant=nan_grad, activations=False)
+    assert [c.step for c in cleans] == [0, 1] and not {0, 1} & set(gathered)
+    assert mon.incidents and mon.incidents[0].step == 2
 
 
 def test_a_fault_found_by_the_clean_steps_read_is_read_on_from_its_parts(monkeypatch, cleans):

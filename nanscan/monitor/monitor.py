@@ -46,7 +46,7 @@ from nanscan.monitor.outcomes import Outcomes
 from nanscan.monitor.read import Read
 from nanscan.monitor import distributed, readback
 from nanscan.monitor import reading as reading_module
-from nanscan.monitor.readback import Clean, Copy
+from nanscan.monitor.readback import Clean, Copy, _scalars_on_host
 from nanscan.monitor.reading import Reading
 from nanscan.monitor.results import Results
 from nanscan.monitor.skipping import SkipStep, StepSkipper
@@ -62,10 +62,6 @@ from nanscan.monitor.traced import TracedRows, release_hook_guards
 from nanscan.monitor.triggers import Triggers, wrap_closure, wrap_scaler
 from nanscan.warn import warn
 
-
-# Note [a clean step's read]: a plain step's read taken before the rest of the read; False sends it
-# through Reading.gather like any other (the A/B of benchmarks/read_cost.py).
-CLEAN_STEP_FIRST = True
 
 class Monitor(Results):
     """Watches one model; see :func:`watch` for the options. Use as a context manager (or call
@@ -576,45 +572,41 @@ class Monitor(Results):
         outcomes = self.outcomes
         reading, hooks = self.reading, self.hooks
         sync = self.config.mode == "sync" or final
+        extras = [] if (scaler is None and found_inf is None and not reading.clip_norms and not reading.clip_unknown) \
+            else reading.scalars(step, getattr(scaler, "_scale", None) if scaler is not None else None, found_inf,
+                                 include_grads, final, self.steplog)
+        # Note [a clean step's read]: a read that nothing needs but its answer if it is clean -- no
+        # consumer of its rows, nothing in flight, no compiled path, on one process (else another
+        # rank's incident may be the one to report), after a recorded forward (else the hooks' check
+        # needs the rows) -- is taken and tested in one C++ call before any other line of the read
+        # runs: each line and call of a read is fetched cold after the step (Note [a clean read in
+        # one call] in csrc/monitor/lean_read.h), so the common clean step makes a few Python calls
+        # besides the C++ take (benchmarks/read_cost.py). Its scalars (loss scale, found_inf, clip
+        # norm) ride along where they lie on the host. Not clean, its parts go to gather as its own
+        # take would have made them. In async mode too, where the host need not wait to decide it:
+        # records on the host are decided at once, as in sync mode (async mode spares the host a
+        # wait for the device, and there is none); records on a device come back undecided and go on
+        # as a copy decided a read later.
+        lean = (not outcomes.rows_wanted and reading.in_flight is None
+                and (hooks.recorded_forward or not self.activations) and not self.traced.used
+                and not distributed.active())
+        tensors = self.tensors
+        read_grads = include_grads and self.grads and bool(tensors.named_params)
+        reading.generation += 1  # (the read begins: gradients recorded from now on belong to the next one)
+        recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
         taken = None
-        # Note [a clean step's read]: the read of a plain training step -- after a recorded forward,
-        # before or after the update, with no scalar to carry (no GradScaler, no fused optimizer's
-        # found_inf, no clipped norm), no compiled path, no consumer of its rows, on one process --
-        # is the lean read below with every condition known to hold, taken here, before any other
-        # line of the read is run: each line and call of a read is fetched cold after the step (Note
-        # [a clean read in one call] in csrc/monitor/lean_read.h), so the common clean step makes a
-        # few Python calls besides the C++ take (benchmarks/read_cost.py). Not clean, its parts go to
-        # gather as they would have come from its own take. In async mode too, where the host need
-        # not wait to decide it: records on the host are decided at once, as in sync mode (async
-        # mode spares the host a wait for the device, and there is none); records on a device come
-        # back undecided and go on as a copy decided a read later. No read is in flight then: the
-        # reads stay in order.
-        if (CLEAN_STEP_FIRST and hooks.recorded_forward and scaler is None and found_inf is None and not final
-                and not outcomes.rows_wanted and not reading.clip_norms and not reading.clip_unknown
-                and reading.in_flight is None and reading_module.TAKEN_IN_ONE_CALL
-                and readback.DEVICE_DECISION != "never" and not self.traced.used and not distributed.active()):
-            tensors = self.tensors
-            read_grads = include_grads and self.grads and bool(tensors.named_params)
-            if tensors.param_set is not None or not read_grads:
-                reading.generation += 1
-                hooks.recorded_forward = False
-                taken = reading.take_in_one_call(hooks, tensors, read_grads, may_sync=sync)
-                if type(taken) is not tuple:  # clean: the parameter gradients' names
-                    self._decided_clean(step, taken, None)
-                    return
-        # Decided at once and needed by nothing else when clean (Note [a clean read is decided without
-        # a Read]): a sync read no consumer walks, after a recorded forward (else the hooks' check
-        # needs the rows), on one process (else another rank's incident may be the one to report).
-        lean = taken is None and (sync and not outcomes.rows_wanted
-                                  and (hooks.recorded_forward or not self.activations)
-                                  and reading.in_flight is None and not distributed.active())
+        if (lean and reading_module.TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
+                and (_scalars_on_host(extras) if extras else readback.DEVICE_DECISION != "never")):
+            taken = reading.take_in_one_call(hooks, tensors, read_grads, may_sync=sync)
+            if type(taken) is not tuple:  # clean: the parameter gradients' names
+                self._decided_clean(step, taken, {name: float(e) for name, e in extras} if extras else None)
+                return
         copy = reading.gather(
-            step, hooks=self.hooks, tensors=self.tensors, traced=self.traced, grads=include_grads and self.grads,
-            explained=self.activation_grads and self._higher_order_step != step, scalars=include_grads,
-            scale=getattr(scaler, "_scale", None) if scaler is not None else None, found_inf=found_inf,
+            step, hooks=hooks, tensors=tensors, traced=self.traced, grads=include_grads and self.grads,
+            explained=self.activation_grads and self._higher_order_step != step, extras=extras,
             handled=not before_update and scaler is not None and state.attempted and state.applied is False
-            and not final, final=final, non_blocking=not sync, steplog=self.steplog, rows_wanted=outcomes.rows_wanted,
-            lean=lean, taken=taken)
+            and not final, final=final, non_blocking=not sync, recorded_forward=recorded_forward,
+            rows_wanted=outcomes.rows_wanted, lean=lean and sync, taken=taken)
         if type(copy) is Clean:
             self._decided_clean(step, copy.grad_names, copy.extras)
             return

@@ -18,14 +18,15 @@ from typing import Optional
 import torch
 
 from nanscan.monitor import readback
-from nanscan.monitor.readback import Clean, Copy, _scalars_on_host
+from nanscan.monitor.readback import Clean, Copy
 from nanscan.monitor.slots import BATCH, BATCH_BYTES, EagerRows, GradBlock
 
 __all__ = ["Reading"]
 
-# A sync read that no consumer walks is taken and tested in one C++ call (Note [a clean read in one
-# call] in csrc/monitor/lean_read.h): where its records lie on the host, or by one sum on their device;
-# False takes it call by call and tests it as a Copy (the benchmark's A/B: benchmarks/read_cost.py).
+# A read that no consumer walks is taken and tested in one C++ call (Note [a clean step's read] in
+# nanscan/monitor/monitor.py, Note [a clean read in one call] in csrc/monitor/lean_read.h): where its
+# records lie on the host, or by one sum on their device; False takes it call by call through gather,
+# decided in its blocks (sync) or as a Copy (the benchmark's A/B: benchmarks/read_cost.py).
 TAKEN_IN_ONE_CALL = True
 
 
@@ -83,6 +84,19 @@ class Reading:
         local = getattr(total_norm, "full_tensor", None)  # (a DTensor norm under FSDP2 / TP)
         self.clip_norms.append((local() if callable(local) else total_norm).detach())
 
+    def scalars(self, step: int, scale, found_inf, scalars: bool, final: bool, steplog) -> list:
+        """The scalars read with a training read's records, in the same copy: ``[(what, tensor)]`` --
+        GradScaler's ``scale`` (a tensor, or None) and the clip norm when ``scalars`` (not in what
+        close reads of a step that ended already), a fused-AMP optimizer's ``found_inf``."""
+        extras = []
+        if isinstance(scale, torch.Tensor) and not final and scalars:
+            extras.append(("scale", scale))
+        if found_inf is not None:
+            extras.append(("found_inf", found_inf))
+        if self.clip_norms or self.clip_unknown:
+            self._clip_norm(step, extras, scalars, steplog)
+        return extras
+
     def take_in_one_call(self, hooks, tensors, read_grads: bool, may_sync: bool = True):
         """The read taken and tested in one C++ call (Note [a clean read in one call] in
         csrc/monitor/lean_read.h; ``generation`` already moved on for it): clean, the names of the
@@ -100,41 +114,23 @@ class Reading:
         return None if taken is None else (
             tensors.param_names if taken is True else [tensors.param_names[k] for k in taken])
 
-    def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, scalars: bool, scale,
-               found_inf, handled: bool, final: bool, non_blocking: bool, steplog, rows_wanted: bool = True,
-               lean: bool = False, taken: Optional[tuple] = None):
-        """Start the copy of a training read of ``step``: everything recorded since the last read
-        (see the module docstring). ``grads``: the parameter gradients are read too (``explained``:
-        with their inputs, see :meth:`ModelTensors.grad_block`); ``scalars``: the step's loss scale
-        (``scale``: GradScaler's scale tensor, or None) and clip norm ride along (not in what close
-        reads of a step that ended already); so does ``found_inf``; ``handled``: GradScaler skipped
-        the update; ``rows_wanted`` False: no consumer needs a clean read's rows (Note [a clean read
-        comes back as one number] in :mod:`~nanscan.monitor.readback`). ``lean``: a read that is
-        decided now and that nothing else needs if it is clean; it comes back as a
-        :class:`~nanscan.monitor.readback.Clean` when it is (Note [a clean read is decided without
-        a Read]). ``taken``: the parts :meth:`take_in_one_call` returned for this read (not clean),
-        taken after the forward was noted and ``generation`` moved on (Note [a clean step's read]
-        in :mod:`~nanscan.monitor.monitor`)."""
-        extras = []  # (what, tensor): read with the records, in the same copy
-        if isinstance(scale, torch.Tensor) and not final and scalars:
-            extras.append(("scale", scale))
-        if found_inf is not None:
-            extras.append(("found_inf", found_inf))
-        if self.clip_norms or self.clip_unknown:
-            self._clip_norm(step, extras, scalars, steplog)
+    def gather(self, step: int, *, hooks, tensors, traced, grads: bool, explained: bool, extras: list, handled: bool,
+               final: bool, non_blocking: bool, recorded_forward: bool, rows_wanted: bool = True, lean: bool = False,
+               taken: Optional[tuple] = None):
+        """Start the copy of a training read of ``step`` (``generation`` already moved on for it;
+        ``recorded_forward``: a forward was recorded since the last read): everything recorded since
+        the last read (see the module docstring). ``grads``: the parameter gradients are read too
+        (``explained``: with their inputs, see :meth:`ModelTensors.grad_block`); ``extras``: the
+        read's :meth:`scalars`; ``handled``: GradScaler skipped the update; ``rows_wanted`` False: no
+        consumer needs a clean read's rows (Note [a clean read comes back as one number] in
+        :mod:`~nanscan.monitor.readback`). ``lean``: a sync read that nothing else needs if it is
+        clean: it comes back as a :class:`~nanscan.monitor.readback.Clean` when it is (Note [a clean
+        read is decided without a Read]). ``taken``: the parts :meth:`take_in_one_call` returned
+        for this read (not clean, or undecided; Note [a clean step's read] in
+        :mod:`~nanscan.monitor.monitor`)."""
         read_grads = grads and bool(tensors.named_params)
         # (A compiled path that never traced a hook has no rows, no stamps and nothing to reset.)
         used = traced.used
-        if taken is not None:
-            recorded_forward = True
-        else:
-            self.generation += 1
-            recorded_forward, hooks.recorded_forward = hooks.recorded_forward, False
-            if (lean and not used and TAKEN_IN_ONE_CALL and (tensors.param_set is not None or not read_grads)
-                    and (_scalars_on_host(extras) if extras else readback.DEVICE_DECISION != "never")):
-                taken = self.take_in_one_call(hooks, tensors, read_grads)
-                if type(taken) is not tuple:  # clean: which parameter gradients were read
-                    return Clean(step, taken, {name: float(e) for name, e in extras} if extras else {})
         if taken is not None:
             (slots, blocks, eager_rows), sink, taken_grads = taken
             param_grads = tensors.grad_records(taken_grads) if read_grads else None
