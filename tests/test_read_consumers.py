@@ -94,6 +94,43 @@ def test_runs_cover_every_row_once_in_order_and_name_its_source(tmp_path):
     assert {"EagerRows", "GradBlock", "Block", "Slot"} <= kinds
 
 
+def test_a_rows_record_and_column_are_the_host_rows_values_whether_or_not_they_were_converted(tmp_path):
+    keep = Keep()
+    _train(tmp_path, steps=3, extra=keep)
+    checked = 0
+    for read in keep.reads:
+        if read.host is None or not read.eager_count:
+            continue
+        n = read.eager_count
+        fresh = [read.record(i) for i in range(n)], read.column(0, n, 7)  # (before any conversion)
+        read._host_rows = None
+        rows = read.host_rows()
+        assert fresh == (rows, [r[7] for r in rows])
+        assert [read.record(i) for i in range(n)] == rows and read.column(1, n, 7) == [r[7] for r in rows[1:]]
+        checked += 1
+    assert checked
+
+
+def test_the_step_log_alone_converts_no_read_whole(tmp_path, monkeypatch):
+    # the losses, the non-finite rows and the gradients' sums of squares only: not every row of a read
+    from nanscan.monitor.read import Read
+    converted = []
+    host_rows = Read.host_rows
+    monkeypatch.setattr(Read, "host_rows", lambda self: converted.append(self.step) or host_rows(self))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "events.jsonl"
+    with nanscan.watch(model, opt, on_nonfinite="record", log=str(log)):
+        for _ in range(NAN_STEP + 2):
+            opt.zero_grad()
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            opt.step()
+    steps = [e for e in map(json.loads, log.read_text().splitlines()) if e.get("type") == "step"]
+    assert converted == [] and len(steps) == NAN_STEP + 2
+    assert all(math.isfinite(e["grad_norm"]) and e["grad_norm"] > 0 for e in steps[:NAN_STEP])
+    assert steps[NAN_STEP]["loss"] == {"finite": False, "value": "nan"} and steps[NAN_STEP]["nonfinite"]["loss"] == 1
+
+
 def test_the_consumers_are_in_one_list_in_order(tmp_path):
     mon, points, logged, failures = _train(tmp_path, steps=2)
     assert [type(c) for c in mon.outcomes.consumers] == [StepLog, HeadroomWatch, Health, SpikeWatch]

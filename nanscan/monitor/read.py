@@ -83,6 +83,23 @@ class Read:
             rows = self._host_rows = self.host[:n, :RECORD_SIZE].tolist() if (n and self.host is not None) else []
         return rows
 
+    def record(self, i: int) -> list:
+        """Row ``i``'s record as Python floats: from :meth:`host_rows` where a consumer converted them
+        already, else on its own (a consumer that reads a few rows need not convert them all)."""
+        rows = self._host_rows
+        return rows[i] if rows is not None and i < len(rows) else self.values(i)
+
+    def column(self, start: int, end: int, field: int) -> list:
+        """Field ``field`` of the records of rows ``[start, end)`` as Python floats, in one conversion
+        where they are the window's host rows."""
+        rows = self._host_rows
+        if rows is not None and end <= len(rows):
+            return [rows[j][field] for j in range(start, end)]
+        if self.host is not None and end <= self.eager_count:
+            return self.host[start:end, field].tolist()
+        values = self.values
+        return [values(j)[field] for j in range(start, end)]
+
     def runs(self) -> list:
         """The rows in index order as runs ``(start, end, source)``, the one way every consumer walks
         a read: ``source`` is an :class:`~nanscan.monitor.slots.EagerRows` (the hooks' rows

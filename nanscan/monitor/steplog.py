@@ -143,12 +143,9 @@ class StepLog(ReadConsumer):
             self._losses.clear()
             return
         self._losses.clear()
-        host = read.host_rows()
-        n_host = len(host)
-
-        def values(i):
-            return host[i] if i < n_host else read.values(i)
-
+        # (a few rows each -- the losses, non-finite rows -- and one column of the parameter
+        # gradients: converted as read, not every row of the read)
+        values = read.record
         for start, end, s in runs:
             t = type(s)
             if t is EagerRows:  # (only its non-finite rows and its losses)
@@ -159,7 +156,7 @@ class StepLog(ReadConsumer):
             elif t is Slot:
                 self._fold(s.step, s.phase, s.kind, s.param, s.candidate, values(start), start in bad)
             else:  # (a block's rows share step, phase and kind: no Slot made for any)
-                self._fold_block(s, start, end, bad, values)
+                self._fold_block(s, start, end, bad, read)
 
     def _fold(self, step, phase, kind, param, candidate, v, is_bad: bool) -> None:
         """One decoded row into its step's entry."""
@@ -185,9 +182,9 @@ class StepLog(ReadConsumer):
         if kind == "grad" and param is not None:
             e["grad_bad"] = e["grad_bad"] or (bool(v[Field.NAN_COUNT]) and "nan") or (count > 0 and "inf")
 
-    def _fold_block(self, block, start: int, end: int, bad: set, values) -> None:
-        """The rows [start, end) of one block: only its non-finite rows, and every row of the
-        parameter gradients (their norm), are decoded."""
+    def _fold_block(self, block, start: int, end: int, bad: set, read) -> None:
+        """The rows [start, end) of one block of ``read``: only its non-finite rows, and the sums of
+        squares of the parameter gradients (their norm), are decoded."""
         if block.phase == "eval":
             return
         e = self._entry(block.step)
@@ -196,11 +193,11 @@ class StepLog(ReadConsumer):
         e["read"] = True
         broken = sorted(j for j in bad if start <= j < end)
         for j in broken:  # (counts, and a non-finite gradient's kind; the norm is summed below)
-            self._count(e, block.phase, block.kind, block.param, True, values(j))
-        if block.kind == "grad" and block.param is not None:  # every row, in order
-            total, sumsq = e["grad_sumsq"] or 0.0, Field.SUMSQ
-            for j in range(start, end):
-                total = total + values(j)[sumsq]
+            self._count(e, block.phase, block.kind, block.param, True, read.record(j))
+        if block.kind == "grad" and block.param is not None:  # every row, in order (not sum(): 3.12 compensates)
+            total = e["grad_sumsq"] or 0.0
+            for v in read.column(start, end, Field.SUMSQ):
+                total = total + v
             e["grad_sumsq"] = total
 
     def headroom(self, step: int, lowest: dict) -> None:
