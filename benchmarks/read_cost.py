@@ -28,21 +28,23 @@ Per read (``Monitor._read_and_decide``, timed with ``perf_counter_ns`` around ea
   pass of the default variant): what the read's first lines pay because the step between two reads
   evicted them from the caches, against the same call warm.
 
-Each ``n`` is measured in eight variants: the read decided as by default (``DEVICE_DECISION =
+Each ``n`` is measured in nine variants: the read decided as by default (``DEVICE_DECISION =
 "cuda"``, sync mode: a clean read is taken and tested in one C++ call before any other line of the
 read runs, and before any slot, Copy or Read is made of it -- Note [a clean step's read] in
 nanscan/monitor/monitor.py, Note [a clean read in one call] in csrc/monitor/lean_read.h); the same
-read taken call by call through ``Reading.gather`` and tested in its blocks (``"blocks"``: the path
-before those notes, ``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes, run on these CPU rows
-(``DEVICE_DECISION = "always"``: one sum of the records where they lie and its 8 bytes copied back),
-taken in one call (``"device"``) and as a Copy (``"device_copy"``: the path before that note); the
-default in async mode (``"async"``: rows on the host are decided in the one call as in sync mode --
-Note [a clean step's read]), and async mode taken call by call (``"async_copy"``: a Copy decided in
-its blocks a read later, then bookkept without a Read: async mode's clean path before that note, and
-still the path of a device's rows); stacked and copied whole
-(``"never"``: the read before the clean-read path); and with every part that walks a read's rows
-on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10 steps to a
-no-op sink -- the rows are then stacked, and each part walks them through ``Read.runs``). They run
+read taken call by call through ``Reading.gather`` and tested in its blocks (``"blocks"``: the
+path before those notes, ``reading.TAKEN_IN_ONE_CALL = False``); the path a read on a GPU takes,
+run on these CPU rows (``DEVICE_DECISION = "always"``: one sum of the records where they lie and
+its 8 bytes copied back), taken in one call (``"device"``) and as a Copy (``"device_copy"``); the
+default in async mode (``"async"``: rows on the host are decided in the one call as in sync mode
+-- Note [a clean step's read]), and async mode taken call by call (``"async_copy"``: a Copy decided
+in its blocks a read later, then bookkept without a Read: async mode's clean path before that note,
+and still the path of a device's rows); stacked and copied whole (``"never"``: the read before the
+clean-read path); with a step log on (``"log"``: it walks every read, reading the losses, the
+non-finite rows and the parameter gradients' sums of squares); and with every part that walks a
+read's rows on (``"parts"``: a step log, spike warnings, ``headroom_bits=4`` and telemetry every 10
+steps to a no-op sink -- the rows are then stacked, and each part walks them through
+``Read.runs``). They run
 in interleaved rounds (one round: ``--steps`` watched steps of each variant, order reversed every
 round); a number is the median over every read of the rounds. The slope per record is (the largest
 ``n``'s value - the smallest's) / (their record difference).
@@ -76,22 +78,23 @@ from nanscan.monitor.tensors import ModelTensors
 
 # variant -> (the decision, the mode, every part that walks the rows on, how the read is taken: "first"
 # -- in one call before the rest of the read, "blocks" -- call by call, through Reading.gather)
-VARIANTS = {"cuda": ("cuda", "sync", False, "first"), "blocks": ("cuda", "sync", False, "blocks"),
-            "device": ("always", "sync", False, "first"), "device_copy": ("always", "sync", False, "blocks"),
-            "async": ("cuda", "async", False, "first"), "async_copy": ("cuda", "async", False, "blocks"),
-            "never": ("never", "sync", False, "first"),
-            "parts": ("cuda", "sync", True, "first")}
+VARIANTS = {"cuda": ("cuda", "sync", "", "first"), "blocks": ("cuda", "sync", "", "blocks"),
+            "device": ("always", "sync", "", "first"), "device_copy": ("always", "sync", "", "blocks"),
+            "async": ("cuda", "async", "", "first"), "async_copy": ("cuda", "async", "", "blocks"),
+            "never": ("never", "sync", "", "first"), "log": ("cuda", "sync", "log", "first"),
+            "parts": ("cuda", "sync", "all", "first")}
 # The same model compiled after it is watched (--compiled; aot_eager: the compiled path's rows without
 # inductor's compile time): its read decided where the rows lie (Note [compiled rows decided where
 # they lie] in nanscan/monitor/readback.py), and decoded whole -- every written row made a slot (the
 # path before that note; "never" takes it).
-COMPILED_VARIANTS = {"compiled": ("cuda", "sync", False, "first"),
-                     "compiled_whole": ("never", "sync", False, "first")}
+COMPILED_VARIANTS = {"compiled": ("cuda", "sync", "", "first"),
+                     "compiled_whole": ("never", "sync", "", "first")}
 NAMES = {"cuda": "default (one call)", "blocks": "call by call, in blocks",
          "device": "device path, one call",
          "device_copy": "device path, as a Copy", "async": "async (one call)",
          "async_copy": "async, Copy in blocks", "never": "stacked, copied whole",
-         "parts": "every part on", "compiled": "compiled, rows in place", "compiled_whole": "compiled, decoded whole"}
+         "log": "a step log", "parts": "every part on", "compiled": "compiled, rows in place",
+         "compiled_whole": "compiled, decoded whole"}
 
 
 def _model(layers: int):
@@ -107,10 +110,11 @@ def _train(model, opt, x, steps: int) -> None:
         opt.step()
 
 
-def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: bool = False,
+def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = False, parts: str = "",
               mode: str = "sync", taken: str = "first", cold_probe: bool = False, compiled: bool = False) -> dict:
     """Watch a fresh ``layers``-layer model in ``mode``, train ``steps`` steps (after 2 untimed ones)
-    with the read decided by ``decision`` (``parts``: a step log, spikes, headroom and telemetry on);
+    with the read decided by ``decision`` (``parts``: ``"log"`` a step log on, ``"all"`` a step log,
+    spikes, headroom and telemetry);
     per read: whole and records-finished nanoseconds, records, and (``count_calls``) Python calls;
     ``cold_probe``: also the time of ``distributed.active()`` (four small Python functions) called
     twice in a row as the read begins -- the first as cold as the read's own first call; ``compiled``:
@@ -120,8 +124,9 @@ def run_reads(layers: int, decision: str, steps: int, *, count_calls: bool = Fal
     log_dir = None
     if parts:
         log_dir = tempfile.mkdtemp(prefix="nanscan-read-cost-")
-        options.update(log=os.path.join(log_dir, "events.jsonl"), spikes=True, headroom_bits=4.0,
-                       telemetry=lambda step, scalars: None, telemetry_every=10)
+        options["log"] = os.path.join(log_dir, "events.jsonl")
+        if parts == "all":
+            options.update(spikes=True, headroom_bits=4.0, telemetry=lambda step, scalars: None, telemetry_every=10)
     whole, finishing, records, calls, probes = [], [], [], [], []
     read_and_decide, grad_records = Monitor._read_and_decide, ModelTensors.grad_records
     extension = _ops.monitor_extension()

@@ -230,9 +230,10 @@ void summarize_into(const at::Tensor& x, double* out_row, const at::TensorOption
 // negation) is owned, for the call. Contiguous tensors of one dtype run as ONE scan launch, one
 // block per chunk of the group (chunked as a whole: chunk from the group's total numel, each tensor
 // cut from its own start), then one combine launch per dtype that merges each tensor's partials in
-// chunk order. The blocks read a device table, int64 [ptr[n], numel[n], prefix[n+1], row[n]]
-// followed by int32 tix[blocks] (block b's tensor: prefix[tix[b]] <= b < prefix[tix[b] + 1]), so a
-// block finds its tensor with one load -- 32 n + 4 chunks bytes (scan_many_kernel, kernels.cuh).
+// chunk order; the groups' partials share one workspace, allocated once a call. The blocks read a
+// device table, int64 [ptr[n], numel[n], prefix[n+1], row[n]] followed by int32 tix[blocks] (block
+// b's tensor: prefix[tix[b]] <= b < prefix[tix[b] + 1]), so a block finds its tensor with one load --
+// 32 n + 4 chunks bytes (scan_many_kernel, kernels.cuh).
 // Tables are cached (many_table: up to 256, most recently used kept), keyed IN FULL by device,
 // stream, dtype and each tensor's (data pointer, numel, output row), of which the table is a pure
 // function: calling with the list of the previous step copies nothing to the device; any other list
@@ -321,16 +322,14 @@ ManyTable many_table(TableKey key, const at::TensorOptions& dev) {
   return t;
 }
 
-// One scan launch + one combine launch for contiguous tensors ts[idx] of one dtype, chunking the
-// group as a whole (chunk from the group's total numel). See Note [summarize_many].
-template <typename T>
-void summarize_group(const std::vector<c10::MaybeOwned<at::Tensor>>& ts, const std::vector<int64_t>& idx,
-                     double* out, const at::TensorOptions& dev, cudaStream_t stream) {
-  using A = typename Traits<T>::A;
+// The table of the contiguous tensors ts[idx] of one dtype (See Note [summarize_many]): the group
+// is chunked as a whole (chunk from the group's total numel).
+ManyTable group_table(const std::vector<c10::MaybeOwned<at::Tensor>>& ts, const std::vector<int64_t>& idx,
+                      const at::TensorOptions& dev, unsigned long long stream_id) {
   const int64_t n = static_cast<int64_t>(idx.size());
   TableKey key;
   key.device = dev.device().index();
-  C10_CUDA_CHECK(cudaStreamGetId(stream, &key.stream));
+  key.stream = stream_id;
   key.dtype = static_cast<int>(ts[idx[0]]->scalar_type());
   key.words.resize(3 * n);
   for (int64_t k = 0; k < n; ++k) {
@@ -340,11 +339,17 @@ void summarize_group(const std::vector<c10::MaybeOwned<at::Tensor>>& ts, const s
     key.words[3 * k + 2] = idx[k];
   }
   key.seal();
-  const ManyTable table = many_table(std::move(key), dev);
+  return many_table(std::move(key), dev);
+}
+
+// One scan launch + one combine launch for the n tensors of one dtype group, whose partials go to
+// wp (table.blocks of them). See Note [summarize_many].
+template <typename T>
+void launch_group(const ManyTable& table, int64_t n, Partial<typename Traits<T>::A>* wp, double* out,
+                  cudaStream_t stream) {
+  using A = typename Traits<T>::A;
   const int64_t* m = static_cast<const int64_t*>(table.meta.data_ptr());
   const int32_t* tix = reinterpret_cast<const int32_t*>(m + 4 * n + 1);
-  at::Tensor ws = at::empty({table.blocks * int64_t(sizeof(Partial<A>))}, dev.dtype(at::kByte));
-  auto* wp = static_cast<Partial<A>*>(ws.data_ptr());
   if (table.blocks > 0) {
     scan_many_kernel<T><<<grid_of(table.blocks), kBlock, 0, stream>>>(m, tix, n, table.chunk, wp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -396,10 +401,29 @@ at::Tensor summarize_many_cuda(at::TensorList xs) {
     else
       summarize_into(*ts[i], o + i * kRecordSize, dev);
   }
+  // Every group's table first, then ONE workspace for all their partials (each group's at a
+  // 256-byte aligned offset), then the launches: an allocation a call, not one a dtype group.
+  struct Planned { at::ScalarType dtype; int64_t n; ManyTable table; int64_t offset; };
+  std::vector<Planned> planned;
+  int64_t ws_bytes = 0;
+  unsigned long long stream_id = 0;
   for (size_t s = 0; s < groups.size(); ++s) {
     if (groups[s].empty()) continue;
-    dispatch(static_cast<at::ScalarType>(s), [&](auto tag) {
-      summarize_group<typename decltype(tag)::type>(ts, groups[s], o, dev, stream);
+    if (planned.empty()) C10_CUDA_CHECK(cudaStreamGetId(stream, &stream_id));
+    const auto dtype = static_cast<at::ScalarType>(s);
+    Planned p{dtype, static_cast<int64_t>(groups[s].size()), group_table(ts, groups[s], dev, stream_id), ws_bytes};
+    int64_t partial = 0;
+    dispatch(dtype, [&](auto tag) { partial = sizeof(Partial<typename Traits<typename decltype(tag)::type>::A>); });
+    ws_bytes += (p.table.blocks * partial + 255) / 256 * 256;
+    planned.push_back(std::move(p));
+  }
+  if (planned.empty()) return out;
+  const at::Tensor ws = at::empty({std::max<int64_t>(ws_bytes, 1)}, dev.dtype(at::kByte));
+  char* base = static_cast<char*>(ws.data_ptr());
+  for (const Planned& p : planned) {
+    dispatch(p.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      launch_group<T>(p.table, p.n, reinterpret_cast<Partial<typename Traits<T>::A>*>(base + p.offset), o, stream);
     });
   }
   return out;
