@@ -25,16 +25,18 @@ consumer walks leads to nothing but a little bookkeeping -- which parameter grad
 that the forward was finite (``ModelTensors.note_clean_read``, for the records made after the
 update), the read's scalars into the ledger (``Outcomes.take_extras``): ``Monitor._decided_clean``.
 So the slots of its rows, the :class:`Copy`, the :class:`~nanscan.monitor.read.Read`, the findings
-are made only for a read that needs them. A sync read whose scalars lie on the CPU (or that has
-none) is taken and tested in one C++ call before any of them is made (``Reading.gather(lean=True)``:
-:class:`Clean`; Note [a clean read in one call] in csrc/monitor/lean_read.h): records on the host
-where they lie, records on a device by the one sum above, its 8 bytes the read's sync -- or call by
-call, as below, where that call does not apply (a sharded model's parameters, a scalar on a
-device); a read that lands clean (a device read's count, an async read a read later) is bookkept
-from its :class:`Copy`
+are made only for a read that needs them. A read whose scalars lie on the CPU (or that has none)
+is taken and tested in one C++ call before any of them is made (Note [a clean step's read] in
+nanscan/monitor/monitor.py, Note [a clean read in one call] in csrc/monitor/lean_read.h): records on
+the host where they lie, records on a device by the one sum above, its 8 bytes the read's sync (in
+async mode, records on a device go on undecided) -- or call by call, as below, where that call does
+not apply (a sharded model's parameters, a scalar on a device: a sync read then comes back from
+``Reading.gather(lean=True)`` as a :class:`Clean` when its blocks are); a read that lands clean (a
+device read's count, an async read a read later) is bookkept from its :class:`Copy`
 (``Copy.clean``) without a ``Read`` (an eval forward's clean read leads to nothing at all). Not
 decided so, and so decided whole as before: a read after a step whose forward ran neither the eager
-hooks nor a compiled graph's stamps (the monitor's check of that needs the rows), and any training
+hooks nor a compiled graph's stamps while activations are watched (the monitor's check of that
+needs the rows), and any training
 read while ``torch.distributed`` runs more than one rank (the ranks agree on the incident to report,
 and another rank's may be this read's). The A/B, and what it costs: ``benchmarks/read_cost.py``.
 
