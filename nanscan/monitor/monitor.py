@@ -577,16 +577,16 @@ class Monitor(Results):
                                  include_grads, final, self.steplog)
         # Note [a clean step's read]: a read that nothing needs but its answer if it is clean -- no
         # consumer of its rows, nothing in flight, no compiled path, on one process (else another
-        # rank's incident may be the one to report), after a recorded forward (else the hooks' check
-        # needs the rows) -- is taken and tested in one C++ call before any other line of the read
-        # runs: each line and call of a read is fetched cold after the step (Note [a clean read in
-        # one call] in csrc/monitor/lean_read.h), so the common clean step makes a few Python calls
-        # besides the C++ take (benchmarks/read_cost.py). Its scalars (loss scale, found_inf, clip
-        # norm) ride along where they lie on the host. Not clean, its parts go to gather as its own
-        # take would have made them. In async mode too, where the host need not wait to decide it:
-        # records on the host are decided at once, as in sync mode (async mode spares the host a
-        # wait for the device, and there is none); records on a device come back undecided and go on
-        # as a copy decided a read later.
+        # rank's incident may be the one to report), after a recorded forward where activations are
+        # watched (else the hooks' check needs the rows) -- is taken and tested in one C++ call
+        # before any other line of the read runs: each line and call of a read is fetched cold after
+        # the step (Note [a clean read in one call] in csrc/monitor/lean_read.h), so the common
+        # clean step makes a few Python calls besides the C++ take (benchmarks/read_cost.py). Its
+        # scalars (loss scale, found_inf, clip norm) ride along where they lie on the host. Not
+        # clean, its parts go to gather as its own take would have made them. In async mode too,
+        # where the host need not wait to decide it: records on the host are decided at once, as in
+        # sync mode (async mode spares the host a wait for the device, and there is none); records
+        # on a device come back undecided and go on as a copy decided a read later.
         lean = (not outcomes.rows_wanted and reading.in_flight is None
                 and (hooks.recorded_forward or not self.activations) and not self.traced.used
                 and not distributed.active())
